@@ -1,0 +1,66 @@
+"""Decode state: an explicit pytree, preallocated for a maximum length and donated between steps.
+
+Per KDA layer: the last K-1 pre-conv inputs of q|k|v and the recurrent state S [B, H, K, V]
+(float32; key channel before value channel, as in transformers — Moonshot's code stores it
+transposed). Per MLA layer: the latent cache [B, L, kv_lora_rank + qk_rope_head_dim] (the
+normalised latent, then the un-rotated shared key dims). `lengths` [B] counts cached tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import K3Config
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDAState:
+    conv: jax.Array       # [B, K-1, 3 * kda_dim], model dtype
+    recurrent: jax.Array  # [B, H, K, V], float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLAState:
+    latent: jax.Array     # [B, L, kv_lora_rank + qk_rope_head_dim], model dtype
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    lengths: jax.Array                          # [B] int32, tokens cached per sequence
+    layers: tuple[KDAState | MLAState, ...]     # one entry per decoder layer
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        mla = [s for s in self.layers if isinstance(s, MLAState)]
+        return mla[0].latent.shape[1] if mla else 1 << 62
+
+
+def init_state(cfg: K3Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> DecodeState:
+    """Zeroed state for `batch_size` sequences of up to `max_len` tokens."""
+    layers = []
+    for kind in cfg.layer_kinds:
+        if kind == "kda":
+            h, hd = cfg.kda_num_heads, cfg.kda_head_dim
+            layers.append(KDAState(conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
+                                   recurrent=jnp.zeros((batch_size, h, hd, hd), jnp.float32)))
+        else:
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            layers.append(MLAState(latent=jnp.zeros((batch_size, max_len, width), dtype)))
+    return DecodeState(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
+
+
+def state_bytes(cfg: K3Config, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
+    """Bytes `init_state` allocates."""
+    kda = (cfg.kda_conv_size - 1) * 3 * cfg.kda_dim * dtype_bytes + cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
+    mla = max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    return batch_size * (len(cfg.kda_layers) * kda + len(cfg.mla_layers) * mla)

@@ -1,0 +1,169 @@
+"""`python -m k3jax.decode`: generate with a preset (random weights) or a checkpoint and report timings.
+
+With no arguments it runs the tiny preset with a fixed seed on the default device (GPU if present,
+else CPU), prints the generated ids and text, prefill and decode times, tokens/s, and the bytes a
+decode step moves against the device's bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+DEFAULT_PROMPT = "The Kimi K3 decoder"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2
+        sys.stderr.write(f"k3jax.decode: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from k3jax.presets import PRESETS
+    p = _Parser(prog="python -m k3jax.decode", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model")
+    src.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS), metavar="NAME",
+                     help=f"model preset with random weights (default k3-tiny); one of: {', '.join(sorted(PRESETS))}")
+    src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (overrides --preset)")
+    src.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/weight dtype")
+    src.add_argument("--experts", choices=["mxfp4", "bf16"], help="routed-expert storage (default: the preset's)")
+    src.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling (default 0)")
+    inp = p.add_argument_group("prompt")
+    inp.add_argument("--prompt", action="append", metavar="TEXT",
+                     help=f"prompt text (repeat for a batch of different prompts; default {DEFAULT_PROMPT!r})")
+    inp.add_argument("--prompt-ids", action="append", metavar="IDS",
+                     help="prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; overrides --prompt)")
+    inp.add_argument("--batch-size", type=int, default=1, help="copies of each prompt in the batch (default 1)")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--stop-token", type=int, action="append", default=[], metavar="ID",
+                     help="stop a sequence after this id (repeatable)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE.json", help="write prompts, generated ids, timings and settings")
+    out.add_argument("--quiet", action="store_true", help="print only the summary table")
+    return p
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Writes JSON to a temporary file beside `path`, then renames it into place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+
+    import k3jax
+    from k3jax.costs import copy_bandwidth, decode_step_bytes
+    from k3jax.tokenizer import ByteTokenizer
+
+    for name, value, low in (("--batch-size", args.batch_size, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    changes = {"expert_format": args.experts} if args.experts else {}
+    model = k3jax.from_pretrained(args.checkpoint or args.preset, dtype=args.dtype, seed=args.seed, **changes)
+    cfg = model.cfg
+    tokenizer = ByteTokenizer(cfg.vocab_size)
+    if args.prompt_ids:
+        prompts = [_parse_ids(t) for t in args.prompt_ids]
+    else:
+        prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
+    prompts = [p for p in prompts for _ in range(args.batch_size)]
+    sampling = k3jax.SamplingParams(args.temperature, args.top_k, args.top_p)
+    result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
+                                       stop_tokens=args.stop_token, progress=args.max_new_tokens > 32)
+    device = jax.devices()[0]
+    context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
+    moved = decode_step_bytes(cfg, len(prompts), context, 2 if args.dtype == "bfloat16" else 4)["total"]
+    bandwidth = copy_bandwidth(device)
+    achieved = moved / (result.step_ms / 1e3) if result.decode_steps else float("nan")
+    report = {
+        "settings": {k: v for k, v in vars(args).items()},
+        "model": {"name": cfg.name, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
+                  "expert_format": cfg.expert_format},
+        "device": {"platform": device.platform, "kind": device.device_kind, "copy_bandwidth_Bps": bandwidth},
+        "prompts": prompts,
+        "tokenizer": tokenizer.name,
+        "generated_text": [tokenizer.decode(t[:n]) for t, n in zip(result.tokens, result.num_generated)],
+        "bytes_per_decode_step": moved,
+        "achieved_Bps": achieved,
+        "roofline_fraction": achieved / bandwidth,
+        **result.as_dict(),
+    }
+    return report
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def print_report(r: dict, quiet: bool) -> None:
+    if not quiet:
+        for i, (ids, text) in enumerate(zip(r["tokens"], r["generated_text"])):
+            print(f"[{i}] ids: {ids}")
+            print(f"[{i}] text: {text!r}")
+    rows = [
+        ("model", f"{r['model']['name']} ({_count(r['model']['params'])} params, "
+                  f"{_count(r['model']['active_params'])} active, experts {r['model']['expert_format']})"),
+        ("device", f"{r['device']['kind']} ({r['device']['platform']})"),
+        ("batch x new tokens", f"{len(r['tokens'])} x {len(r['tokens'][0])}"),
+        ("compile", f"{r['compile_s']:.2f} s"),
+        ("prefill", f"{r['prefill_s'] * 1e3:.1f} ms"),
+        ("decode", f"{r['decode_s'] * 1e3:.1f} ms over {r['decode_steps']} steps ({r['step_ms']:.2f} ms/step)"),
+        ("decode tokens/s", f"{r['decode_tokens_per_s']:.1f}"),
+        ("bytes / decode step", f"{r['bytes_per_decode_step'] / 1e6:.3f} MB"),
+        ("achieved bandwidth", f"{r['achieved_Bps'] / 1e9:.2f} GB/s of {r['device']['copy_bandwidth_Bps'] / 1e9:.1f} GB/s "
+                               f"measured copy ({100 * r['roofline_fraction']:.1f}% of roofline)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from k3jax.config import ConfigError
+    from k3jax.weights import OutOfMemoryError
+    try:
+        report = run(args)
+    except (ConfigError, ValueError, FileNotFoundError, OutOfMemoryError) as e:
+        sys.stderr.write(f"k3jax.decode: error: {e}\n")
+        return 2
+    print_report(report, args.quiet)
+    if args.output:
+        write_json_atomic(args.output, report)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

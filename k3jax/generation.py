@@ -1,0 +1,186 @@
+"""Generation: one jitted prefill, then jitted one-token decode steps over a donated state.
+
+Nothing syncs with the host inside the decode loop except an early-stop check every
+`STOP_CHECK_EVERY` steps when stop tokens are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from k3jax import ops
+from k3jax.cache import DecodeState, init_state
+from k3jax.model import K3Model
+
+STOP_CHECK_EVERY = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = no top-k cut; top_p 1 = no nucleus cut."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """New token ids [B, N] (`pad_id` after a stop token) and per-phase timings in seconds."""
+
+    tokens: np.ndarray
+    num_generated: np.ndarray       # [B] tokens up to and including the stop token
+    prompt_lengths: np.ndarray      # [B]
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second over the decode phase (all sequences)."""
+        return self.tokens.shape[0] * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens.tolist(), "num_generated": self.num_generated.tolist(),
+                "prompt_lengths": self.prompt_lengths.tolist(), "compile_s": self.compile_s,
+                "prefill_s": self.prefill_s, "decode_s": self.decode_s, "decode_steps": self.decode_steps,
+                "decode_tokens_per_s": self.decode_tokens_per_s, "step_ms": self.step_ms}
+
+
+def pad_prompts(prompts, vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A [B, T] array or a list of B id lists (any lengths) -> right-padded ids [B, T], lengths [B]."""
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise ValueError(f"input_ids must have shape [batch, seq], got shape {list(arr.shape)}")
+        rows = list(arr)
+    elif isinstance(prompts, Sequence) and prompts and all(isinstance(p, (Sequence, np.ndarray)) for p in prompts):
+        rows = [np.asarray(p) for p in prompts]
+    else:
+        raise ValueError("input_ids must be a [batch, seq] array or a non-empty list of token-id lists")
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if (lengths == 0).any():
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty; every prompt needs at least one token")
+    ids = np.full((len(rows), int(lengths.max())), pad_id, np.int64)
+    for i, r in enumerate(rows):
+        if r.dtype.kind not in "iu":
+            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {r.dtype}")
+        ids[i, :len(r)] = r
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"input_ids has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size})")
+    return ids.astype(np.int32), lengths
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_len", "sampling"))
+def _prefill(graphdef, params, ids, lengths, key, *, max_len: int, sampling: SamplingParams):
+    model = nnx.merge(graphdef, params)
+    state = init_state(model.cfg, ids.shape[0], max_len, model.dtype)
+    logits, state = model.forward(ids, state, lengths, last_only=True)
+    return ops.sample(logits, key, sampling.temperature, sampling.top_k, sampling.top_p), state
+
+
+@partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state", "out", "done"))
+def _decode_step(graphdef, params, state: DecodeState, out, done, step, key, stop_ids, pad_id,
+                 *, sampling: SamplingParams):
+    """Feeds out[:, step] and writes the next token to out[:, step + 1]."""
+    model = nnx.merge(graphdef, params)
+    token = jax.lax.dynamic_index_in_dim(out, step, axis=1, keepdims=True)
+    logits, state = model.forward(token, state)
+    nxt = ops.sample(logits[:, 0], jax.random.fold_in(key, step), sampling.temperature,
+                     sampling.top_k, sampling.top_p)
+    nxt = jnp.where(done, pad_id, nxt)
+    done = done | jnp.isin(nxt, stop_ids)
+    out = jax.lax.dynamic_update_index_in_dim(out, nxt[:, None], step + 1, axis=1)
+    return state, out, done
+
+
+def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
+                        sampling: SamplingParams = SamplingParams(), key: jax.Array | None = None,
+                        seed: int = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
+                        progress: bool = False) -> GenerationResult:
+    """Generates up to `max_new_tokens` per prompt; see `generate`. Returns ids and timings."""
+    cfg = model.cfg
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids, lengths = pad_prompts(input_ids, cfg.vocab_size, pad_id)
+    max_len = ids.shape[1] + max_new_tokens
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    key = jax.random.key(seed) if key is None else key
+    prefill_key, decode_key = jax.random.split(key)
+    graphdef, params = nnx.split(model)
+    stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+    b = ids.shape[0]
+
+    t0 = time.perf_counter()
+    prefill = _prefill.lower(graphdef, params, ids, lengths, prefill_key, max_len=max_len, sampling=sampling).compile()
+    t1 = time.perf_counter()
+    first, state = prefill(params, ids, lengths, prefill_key)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stop_ids)
+    jax.block_until_ready((out, state))
+    t2 = time.perf_counter()
+    compile_s, prefill_s, decode_s, steps = t1 - t0, t2 - t1, 0.0, 0
+    if max_new_tokens > 1:
+        step_fn = _decode_step.lower(graphdef, params, state, out, done, 0, decode_key, stop_ids, pad_id,
+                                     sampling=sampling).compile()
+        t3 = time.perf_counter()
+        for step in tqdm(range(max_new_tokens - 1), desc="decode", unit="tok", disable=not progress, leave=False):
+            state, out, done = step_fn(params, state, out, done, step, decode_key, stop_ids, pad_id)
+            steps += 1
+            if stop_tokens and steps % STOP_CHECK_EVERY == 0 and bool(jnp.all(done)):
+                break
+        jax.block_until_ready(out)
+        t4 = time.perf_counter()
+        compile_s += t3 - t2
+        decode_s = t4 - t3
+
+    tokens = np.asarray(out).copy()
+    tokens[:, steps + 1:] = pad_id          # positions not reached after an early stop
+    num = np.full((b,), max_new_tokens, np.int32)
+    for i in range(b):
+        hits = np.nonzero(np.isin(tokens[i], list(stop_tokens)))[0] if stop_tokens else []
+        if len(hits):
+            num[i] = hits[0] + 1
+            tokens[i, hits[0] + 1:] = pad_id
+    return GenerationResult(tokens=tokens, num_generated=num, prompt_lengths=lengths, compile_s=compile_s,
+                            prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
+
+
+def generate(model: K3Model, input_ids, max_new_tokens: int = 32, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, key: jax.Array | None = None, seed: int = 0,
+             stop_tokens: Sequence[int] = (), pad_id: int = 0, progress: bool = False) -> np.ndarray:
+    """New token ids [B, max_new_tokens] for a batch of prompts.
+
+    input_ids: a [B, T] int array, or a list of B token-id lists of different lengths (they are
+    right-padded; every row's result equals generating it alone). Greedy unless temperature > 0;
+    sampling uses `key` (or `jax.random.key(seed)`). After a sequence emits one of `stop_tokens`
+    its remaining positions hold `pad_id`.
+    """
+    return generate_with_stats(model, input_ids, max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
+                               key=key, seed=seed, stop_tokens=stop_tokens, pad_id=pad_id,
+                               progress=progress).tokens

@@ -1,0 +1,131 @@
+"""The K3 / Kimi-Linear text decoder: one forward, readable top to bottom.
+
+    tokens -> embed -> [layer 0 .. L-1: (AttnRes mix) -> norm -> KDA | MLA -> (AttnRes mix)
+           -> norm -> dense MLP | LatentMoE] -> (final AttnRes mix) -> norm -> lm_head -> logits
+
+The same `forward` serves prefill (T tokens, chunked KDA, expanded MLA) and decode (T = 1,
+recurrent KDA, absorbed MLA over the latent cache). Sequences are right-padded: `num_new[b]`
+of the T tokens are real; padding never touches the recurrent state and is overwritten in the
+MLA cache by the next real token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import ops
+from k3jax.cache import DecodeState, init_state
+from k3jax.config import K3Config
+from k3jax.layers import DecoderLayer, Linear, RMSNorm, norm_param, normal_param
+
+
+class K3Model(nnx.Module):
+    """K3 (or Kimi-Linear) text decoder with random or loaded weights.
+
+    `model(input_ids)` -> float32 logits [B, T, V] (a full-sequence forward from an empty state).
+    `model.forward(tokens, state, num_new)` -> (logits, state) extends the sequences in `state`.
+    """
+
+    def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        d = cfg.hidden_size
+        self.embed_tokens = normal_param(rngs, (cfg.vocab_size, d), dtype, 1.0)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if cfg.uses_attn_res:
+            self.output_attn_res_norm = norm_param(rngs, d, dtype)
+            self.output_attn_res_proj = normal_param(rngs, (d,), dtype, d ** -0.5)
+        self.lm_head = Linear(d, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: jax.Array, state: DecodeState, num_new: jax.Array | None = None,
+                *, last_only: bool = False) -> tuple[jax.Array, DecodeState]:
+        """tokens [B, T] int32 -> (logits float32 [B, T, V] or, with last_only, [B, V] at each
+        sequence's last real token; new state). num_new [B] real tokens per row (default T)."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+        valid = jnp.arange(t)[None, :] < num_new[:, None]                            # [B, T]
+        absorbed = t == 1  # decode reads the compressed cache; prefill expands it
+        h = self.embed_tokens[...][tokens]
+        new_states = []
+
+        def mixer(layer: DecoderLayer, x: jax.Array, i: int) -> jax.Array:
+            if layer.kind == "kda":
+                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], valid, num_new)
+            else:
+                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], state.lengths, absorbed=absorbed)
+            new_states.append(s)
+            return y
+
+        if cfg.uses_attn_res:
+            h = self._attn_res_stack(h, mixer)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = h + mixer(layer, h, i)
+                h = h + layer.ffn(layer.post_attention_layernorm(h))
+        if last_only:
+            h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+        logits = self.lm_head(self.norm(h)).astype(jnp.float32)
+        return logits, DecodeState(lengths=state.lengths + num_new, layers=tuple(new_states))
+
+    def _attn_res_stack(self, h: jax.Array, mixer) -> jax.Array:
+        """Block Attention Residuals. Sub-layer inputs are softmax mixes over depth of the stored
+        block sums and the current block's running partial sum. Layer 0 stores the embeddings as
+        the first block; a new block starts at every layer index divisible by the block size."""
+        cfg = self.cfg
+
+        def mix(blocks, partial, norm, query):
+            return ops.attn_res_mix(jnp.stack(blocks + [partial]), norm[...], query[...], cfg.rms_norm_eps)
+
+        blocks: list[jax.Array] = []
+        partial: jax.Array | None = h
+        for i, layer in enumerate(self.layers):
+            x = mix(blocks, partial, layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else partial
+            if i % cfg.attn_res_block_size == 0:
+                blocks.append(partial)
+                partial = None
+            y = mixer(layer, x, i)
+            partial = y if partial is None else partial + y
+            x = mix(blocks, partial, layer.mlp_res_norm, layer.mlp_res_proj)
+            partial = partial + layer.ffn(layer.post_attention_layernorm(x))
+        return mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+
+    def __call__(self, input_ids) -> jax.Array:
+        """input_ids [B, T] -> float32 logits [B, T, V] (full-sequence forward, empty state)."""
+        ids = check_token_ids(input_ids, self.cfg.vocab_size)
+        if isinstance(ids, jax.core.Tracer):
+            return _full_forward_logits(self, ids)
+        return _full_forward_jit(self, ids)
+
+
+def _full_forward_logits(model: K3Model, ids: jax.Array) -> jax.Array:
+    logits, _ = model.forward(ids, init_state(model.cfg, ids.shape[0], ids.shape[1], model.dtype))
+    return logits
+
+
+_full_forward_jit = nnx.jit(_full_forward_logits)
+
+
+def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
+    """Validates token ids (shape [B, T], integer, within the vocabulary) and returns int32 ids."""
+    if isinstance(input_ids, jax.core.Tracer):
+        if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids must be an integer array [batch, seq], got {input_ids.dtype}{list(input_ids.shape)}")
+        return input_ids.astype(jnp.int32)
+    arr = np.asarray(input_ids)
+    if arr.ndim != 2:
+        raise ValueError(f"input_ids must have shape [batch, seq], got shape {list(arr.shape)}")
+    if arr.size == 0:
+        raise ValueError(f"input_ids is empty (shape {list(arr.shape)})")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"input_ids must be integers, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise ValueError(f"input_ids has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), "
+                         f"e.g. {int(arr[bad][0])}")
+    return jnp.asarray(arr, jnp.int32)

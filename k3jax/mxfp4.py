@@ -1,0 +1,78 @@
+"""MXFP4 in the compressed-tensors `mxfp4-pack-quantized` layout (Kimi K3's routed experts).
+
+A weight W [out, in] is stored as
+  * `weight_packed` uint8 [out, in/2]: two FP4 (E2M1) codes per byte, the low nibble is the even
+    column; a code is sign (bit 3) and a magnitude index (bits 0-2) into E2M1_VALUES;
+  * `weight_scale`  uint8 [out, in/32]: one UE8M0 power-of-two scale per 32 consecutive inputs,
+    value 2^(scale - 127).
+4.25 bits per weight. Leading axes (e.g. experts [E, out, in/2]) are carried through.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)  # code -> value
+_E2M1_MAX_EXP = 2            # 6 = 1.5 * 2^2: the largest E2M1 exponent
+SCALE_BIAS = 127
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """uint8 [..., in/2] -> FP4 codes uint8 [..., in] (low nibble first)."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """FP4 codes uint8 [..., in] (values 0..15) -> uint8 [..., in/2]."""
+    pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype.
+
+    Exact: every E2M1 value times a power of two is representable in bf16 for scales in range.
+    """
+    values = jnp.asarray(_E2M1_TABLE)[unpack_codes(packed).astype(jnp.int32)]
+    exps = scale.astype(jnp.int32) - SCALE_BIAS
+    grouped = values.reshape(*values.shape[:-1], scale.shape[-1], GROUP)
+    w = jnp.ldexp(grouped, exps[..., None])
+    return w.reshape(values.shape).astype(dtype)
+
+
+def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """W [..., out, in] (float) -> (weight_packed, weight_scale) with OCP MX rounding.
+
+    Per group of 32: shared exponent e = floor(log2(max |w|)) - 2 (clamped to the UE8M0 range),
+    then each w / 2^e is rounded to the nearest E2M1 value (saturating at +-6).
+    `quantize(dequantize(p, s))` returns (p, s) for any codes whose groups use their top exponent.
+    """
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"MXFP4 needs the input width to be a multiple of {GROUP}, got {w.shape[-1]}")
+    wf = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // GROUP, GROUP)
+    amax = jnp.max(jnp.abs(wf), axis=-1)
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))              # amax = m * 2^e, m in [0.5, 1)
+    exp = jnp.clip(e - 1 - _E2M1_MAX_EXP, -SCALE_BIAS, 127)
+    exp = jnp.where(amax > 0, exp, 0)
+    scaled = wf / jnp.ldexp(jnp.ones_like(wf), exp[..., None])
+    mags = jnp.asarray(_E2M1_TABLE[:8])
+    idx = jnp.argmin(jnp.abs(jnp.abs(scaled)[..., None] - mags), axis=-1)  # ties -> smaller magnitude
+    codes = (idx + 8 * (scaled < 0)).astype(jnp.uint8).reshape(w.shape)
+    return pack_codes(codes), (exp + SCALE_BIAS).astype(jnp.uint8)
+
+
+def random_packed(key: jax.Array, shape: tuple[int, ...], scale_exp: int = -7) -> tuple[jax.Array, jax.Array]:
+    """Random MXFP4 weights for `shape` [..., out, in]: uniform codes, scales 2^(scale_exp + {-1,0,1}).
+
+    Generated where jit places it (on device), never on the host.
+    """
+    k1, k2 = jax.random.split(key)
+    packed = jax.random.bits(k1, (*shape[:-1], shape[-1] // 2), jnp.uint8)
+    scale = (SCALE_BIAS + scale_exp + jax.random.randint(
+        k2, (*shape[:-1], shape[-1] // GROUP), -1, 2, jnp.int32)).astype(jnp.uint8)
+    return packed, scale

@@ -1,0 +1,247 @@
+"""The model's numerics as pure functions: one formula, one place.
+
+The NNX layers in `k3jax.layers` call these; the Pallas and CuTe kernels use them as their
+references. Weights use the Hugging Face layout `[out, in]`. Unless stated otherwise, activations
+come in the model dtype and leave in it; reductions and nonlinearities run in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+# ------------------------------------------------------------------ dense basics
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] @ weight[out, in].T -> [..., out], accumulated in float32, in x's dtype."""
+    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype),
+                      preferred_element_type=f32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face RMSNorm: normalise in float32, cast back, then scale by `weight` [D]."""
+    xf = x.astype(f32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """KDA output norm: rms_norm(x) * sigmoid(gate) (norm first, then the sigmoid gate)."""
+    return rms_norm(x, weight, eps) * jax.nn.sigmoid(gate.astype(f32)).astype(x.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in float32 (fla's l2norm)."""
+    xf = x.astype(f32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+# ------------------------------------------------------------------ activations
+def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
+    """SiTU GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), in float32."""
+    g, u = gate.astype(f32), up.astype(f32)
+    act = beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * jnp.tanh(u / linear_beta)
+    return (act * u).astype(gate.dtype)
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU: silu(g) * u (Kimi-Linear's experts)."""
+    return (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(gate.dtype)
+
+
+def glu(gate: jax.Array, up: jax.Array, act: str, beta: float, linear_beta: float | None) -> jax.Array:
+    """The configured gated activation: 'situ' (K3) or 'silu' (Kimi-Linear)."""
+    return situ(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)
+
+
+def gated_mlp(x, w_gate, w_up, w_down, act: str, beta: float, linear_beta: float | None):
+    """down(glu(gate(x), up(x))) with weights [I, D], [I, D], [D, I]."""
+    return linear(glu(linear(x, w_gate), linear(x, w_up), act, beta, linear_beta), w_down)
+
+
+# ------------------------------------------------------------------ KDA
+def kda_decay(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: float | None) -> jax.Array:
+    """Per-channel log-decay g <= 0 from the low-rank gate output f [..., H, K].
+
+    With a lower bound (K3): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), so g in (lb, 0).
+    Without (Kimi-Linear):   g = -exp(A_log) * softplus(f + dt_bias).
+    a_log [H] and dt_bias [H, K] are float32.
+    """
+    x = f.astype(f32) + dt_bias.astype(f32)
+    a = jnp.exp(a_log.astype(f32))[:, None]
+    if lower_bound is not None:
+        return lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jax.nn.softplus(x)
+
+
+def short_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
+    """Depthwise causal conv + SiLU over a window that already holds the K-1 past inputs.
+
+    window [B, K-1+T, C] (model dtype), weight [C, K] float32 (column K-1 hits the newest input).
+    Returns [B, T, C] in float32.
+    """
+    k = weight.shape[-1]
+    t = window.shape[1] - (k - 1)
+    w = window.astype(f32)
+    y = sum(w[:, j:j + t, :] * weight[:, j].astype(f32) for j in range(k))
+    return jax.nn.silu(y)
+
+
+def kda_recurrent_step(state, q, k, v, g, beta):
+    """One token of the gated delta rule. State layout [B, H, K, V] (float32, transformers' layout).
+
+    q, k [B, H, K] (l2-normalised; q already scaled), v [B, H, V], g [B, H, K] log-decay,
+    beta [B, H]. Decay first, then the delta-rule rank-1 update, then read out with q.
+    Returns (o [B, H, V] float32, new_state).
+    """
+    s = state * jnp.exp(g)[..., None]
+    pred = jnp.einsum("bhk,bhkv->bhv", k, s)
+    u = beta[..., None] * (v - pred)
+    s = s + k[..., :, None] * u[..., None, :]
+    return jnp.einsum("bhk,bhkv->bhv", q, s), s
+
+
+def kda_chunked(state, q, k, v, g, beta, chunk: int = 16):
+    """The gated delta rule over T tokens in chunks (WY form); same math as T recurrent steps.
+
+    state [B, H, K, V] f32; q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H]
+    (all float32). A token with beta = 0 and g = 0 leaves the state untouched (used for padding).
+    Within a chunk with cumulative log-decay c_t (per key channel), and u_t the delta-rule update:
+        (I + diag(beta) L) U = diag(beta) (V - (K * e^c) S0),  L_ts = sum_c k_t k_s e^(c_t - c_s), s < t
+        O = (Q * e^c) S0 + M U,                                M_ts = sum_c q_t k_s e^(c_t - c_s), s <= t
+        S_end = e^(c_end) * S0 + (K * e^(c_end - c))^T U
+    Pairwise exponents c_t - c_s (s <= t) are <= 0, so nothing overflows for any gate.
+    Returns (o [B, T, H, V] float32, final state).
+    """
+    b, t, h, dk = k.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def prep(x):  # [B, T, H, ...] -> [n, B, H, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, chunk, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    qc, kc, vc, gc, bc = map(prep, (q, k, v, g, beta))
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    eye = jnp.eye(chunk, dtype=f32)
+
+    def step(s0, xs):
+        qi, ki, vi, gi, bi = xs                      # [B, H, C, K|V], bi [B, H, C]
+        c = jnp.cumsum(gi, axis=-2)                  # [B, H, C, K]
+        diff = c[..., :, None, :] - c[..., None, :, :]                     # [B, H, Ct, Cs, K]
+        decay = jnp.exp(jnp.where(causal[..., None], diff, -jnp.inf))
+        lmat = jnp.einsum("bhtk,bhsk,bhtsk->bhts", ki, ki, decay) * strict
+        mmat = jnp.einsum("bhtk,bhsk,bhtsk->bhts", qi, ki, decay)
+        rhs = bi[..., None] * (vi - jnp.einsum("bhck,bhkv->bhcv", ki * jnp.exp(c), s0))
+        a = eye + bi[..., None] * lmat
+        u = jax.scipy.linalg.solve_triangular(a, rhs, lower=True, unit_diagonal=True)
+        o = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(c), s0) + jnp.einsum("bhts,bhsv->bhtv", mmat, u)
+        c_end = c[..., -1:, :]
+        s1 = jnp.exp(c_end[..., 0, :])[..., None] * s0 + jnp.einsum(
+            "bhck,bhcv->bhkv", ki * jnp.exp(c_end - c), u)
+        return s1, o
+
+    s, o = jax.lax.scan(step, state, (qc, kc, vc, gc, bc))
+    o = jnp.moveaxis(o, 0, 1)                        # [B, n, H, C, V]
+    o = jnp.moveaxis(o, 3, 2).reshape(b, n * chunk, h, -1)[:, :t]
+    return o, s
+
+
+# ------------------------------------------------------------------ MLA
+def mla_attention_expanded(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
+    """Reference MLA: decompress the latent cache into per-head keys/values, then softmax attention.
+
+    q_nope [B, T, H, N], q_rope [B, T, H, R]; latent [B, L, C] (normalised), k_rope [B, L, R];
+    w_kv_b [H*(N+V), C]; mask [B, T, L] bool. Returns [B, T, H, V] in q's dtype.
+    """
+    h, n = q_nope.shape[2], q_nope.shape[3]
+    kv = linear(latent, w_kv_b).reshape(*latent.shape[:2], h, -1)   # [B, L, H, N+V]
+    k_nope, value = kv[..., :n], kv[..., n:]
+    scores = (jnp.einsum("bthn,blhn->bhtl", q_nope, k_nope, preferred_element_type=f32)
+              + jnp.einsum("bthr,blr->bhtl", q_rope, k_rope, preferred_element_type=f32)) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhtl,blhv->bthv", probs.astype(value.dtype), value,
+                      preferred_element_type=f32).astype(q_nope.dtype)
+
+
+def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
+    """MLA with kv_b folded into q and o: attends over the compressed cache, never expanding it.
+
+    Same arguments and result as `mla_attention_expanded`. Per head, W_uk [N, C] maps q_nope into
+    the latent space, and W_uv [V, C] maps the attended latent to the value space.
+    """
+    h, n = q_nope.shape[2], q_nope.shape[3]
+    w = w_kv_b.reshape(h, -1, w_kv_b.shape[-1])                      # [H, N+V, C]
+    w_uk, w_uv = w[:, :n], w[:, n:]
+    q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=f32)
+    scores = (jnp.einsum("bthc,blc->bhtl", q_lat, latent.astype(f32))
+              + jnp.einsum("bthr,blr->bhtl", q_rope, k_rope, preferred_element_type=f32)) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
+    o_lat = jnp.einsum("bhtl,blc->bthc", probs, latent.astype(f32))
+    return jnp.einsum("bthc,hvc->bthv", o_lat, w_uv.astype(f32)).astype(q_nope.dtype)
+
+
+# ------------------------------------------------------------------ MoE routing
+def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
+          scaling: float, n_group: int = 1, topk_group: int = 1):
+    """Router: float32 logits -> scores; select top-k of (scores + bias); weight by the plain scores.
+
+    x [N, D], weight [E, D], bias [E] (used for selection only). Ties go to the lower expert id.
+    Returns (ids [N, k] int32, weights [N, k] float32).
+    """
+    logits = x.astype(f32) @ weight.astype(f32).T
+    scores = jax.nn.sigmoid(logits) if activation == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias.astype(f32)
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.reshape(choice.shape[0], n_group, -1)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                     # [N, G]
+        keep_groups = jax.lax.top_k(group_score, topk_group)[1]
+        keep = jnp.zeros_like(group_score, bool).at[
+            jnp.arange(choice.shape[0])[:, None], keep_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, grouped.shape[-1], axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize and top_k > 1:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * scaling
+
+
+# ------------------------------------------------------------------ Block Attention Residuals
+def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) -> jax.Array:
+    """Softmax mix over depth. candidates [N, ..., D] (block checkpoints, then the partial sum).
+
+    Each candidate is RMS-normalised and scored against the pseudo-query (norm weight * proj
+    weight, [D]); the softmax over N (float32) weights the raw candidates.
+    """
+    v = candidates.astype(f32)
+    keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    scores = jnp.sum(keys * (norm_weight.astype(f32) * query.astype(f32)), axis=-1)  # [N, ...]
+    probs = jax.nn.softmax(scores, axis=0)
+    return jnp.sum(probs[..., None] * v, axis=0).astype(candidates.dtype)
+
+
+# ------------------------------------------------------------------ sampling
+def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Next token ids [B] from logits [B, V]: greedy when temperature == 0, else temperature
+    sampling restricted to the top-k (0 = all) and to the smallest set with mass >= top_p."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(f32) / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        sorted_logits = jnp.where(mass_before >= top_p, -jnp.inf, sorted_logits)
+        logits = jnp.full_like(logits, -jnp.inf).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up .venv with the test extras and runs the test suite (CPU, 8 fake devices).
+# pytest's exit code 5 (no tests collected) is a failure here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test || exit 1
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi
+exit "$rc"

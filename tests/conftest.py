@@ -1,0 +1,23 @@
+"""Test setup, before jax is imported anywhere: CPU with 8 fake devices.
+
+Set K3JAX_GPU_TESTS=1 to run on the real accelerator instead; tests marked `gpu` run only then
+(and only when a GPU is present), and are skipped otherwise.
+"""
+
+import os
+
+GPU_RUN = os.environ.get("K3JAX_GPU_TESTS") == "1"
+if not GPU_RUN:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = GPU_RUN and any(d.platform == "gpu" for d in jax.devices())
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with K3JAX_GPU_TESTS=1 on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)
