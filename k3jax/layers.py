@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import mxfp4, ops
+from k3jax.backend import XLA, KernelPlan
 from k3jax.cache import KDAState, MLAState
 from k3jax.config import K3Config
 
@@ -34,8 +35,8 @@ class Linear(nnx.Module):
     def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs):
         self.weight = normal_param(rngs, (d_out, d_in), dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return ops.linear(x, self.weight[...])
+    def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        return plan("linear")(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):
@@ -57,9 +58,9 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(width, d, dtype=dtype, rngs=rngs)
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return ops.gated_mlp(x, self.gate_proj.weight[...], self.up_proj.weight[...],
-                             self.down_proj.weight[...], *self.act)
+    def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        return plan("gated_mlp")(x, self.gate_proj.weight[...], self.up_proj.weight[...],
+                                 self.down_proj.weight[...], *self.act)
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -89,40 +90,43 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = norm_param(rngs, hd, jnp.float32)
         self.o_proj = Linear(p, d, dtype=dtype, rngs=rngs)
 
-    def output_gate(self, x: jax.Array) -> jax.Array:
+    def output_gate(self, x: jax.Array, plan: KernelPlan) -> jax.Array:
         if self.cfg.kda_full_rank_gate:
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return self.g_proj(x, plan)
+        return self.g_b_proj(self.g_a_proj(x, plan), plan)
 
-    def __call__(self, x: jax.Array, state: KDAState, valid: jax.Array, num_new: jax.Array):
+    def conv_weight(self) -> jax.Array:
+        """[3P, K] float32: the q, k and v short-conv filters stacked like the q|k|v window."""
+        return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+
+    def __call__(self, x: jax.Array, state: KDAState, valid: jax.Array, num_new: jax.Array,
+                 plan: KernelPlan = XLA):
         """x [B, T, D] (normed), valid [B, T] bool (right padding), num_new [B] -> (y [B, T, D], state)."""
         cfg = self.cfg
         b, t, _ = x.shape
         h, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        qkv = jnp.concatenate([self.q_proj(x, plan), self.k_proj(x, plan), self.v_proj(x, plan)], axis=-1)
+        f = self.f_b_proj(self.f_a_proj(x, plan), plan)
+        beta_logit = self.b_proj(x, plan)
+        gate = self.output_gate(x, plan)
+        if t == 1:  # decode: every row holds one real token
+            o, conv, s = plan("kda_decode")(
+                state.conv, qkv[:, 0], self.conv_weight(), f[:, 0], beta_logit[:, 0], gate[:, 0],
+                self.A_log[...], self.dt_bias[...], self.o_norm[...], state.recurrent,
+                num_heads=h, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps)
+            return self.o_proj(o[:, None], plan), KDAState(conv=conv, recurrent=s)
         window = jnp.concatenate([state.conv, qkv.astype(state.conv.dtype)], axis=1)
-        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
-        q, k, v = jnp.split(ops.short_conv(window, conv_w).reshape(b, t, 3, h, hd), 3, axis=2)
-        q = ops.l2_normalize(q[:, :, 0]) * hd ** -0.5
-        k = ops.l2_normalize(k[:, :, 0])
-        v = v[:, :, 0]
-        g = ops.kda_decay(self.f_b_proj(self.f_a_proj(x)).reshape(b, t, h, hd), self.A_log[...],
-                          self.dt_bias[...].reshape(h, hd), cfg.kda_gate_lower_bound)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        q, k, v, g, beta = ops.kda_inputs(window, self.conv_weight(), f, beta_logit, self.A_log[...],
+                                          self.dt_bias[...], h, cfg.kda_gate_lower_bound)
         # Padding tokens neither decay nor update the state.
         g = jnp.where(valid[..., None, None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
-        if t == 1:
-            o, s = ops.kda_recurrent_step(state.recurrent, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-            o = o[:, None]
-        else:
-            o, s = ops.kda_chunked(state.recurrent, q, k, v, g, beta)
-        # Keep the last K-1 valid pre-conv inputs of every sequence.
+        o, s = ops.kda_chunked(state.recurrent, q, k, v, g, beta)
+        # Keep the last K-1 real pre-conv inputs of every sequence.
         keep = cfg.kda_conv_size - 1
         conv = jax.vmap(lambda w, n: jax.lax.dynamic_slice_in_dim(w, n, keep, axis=0))(window, num_new)
-        o = ops.gated_rms_norm(o.astype(x.dtype), self.output_gate(x).reshape(b, t, h, hd),
-                               self.o_norm[...], cfg.rms_norm_eps)
-        return self.o_proj(o.reshape(b, t, h * hd)), KDAState(conv=conv, recurrent=s)
+        o = ops.gated_rms_norm(o.astype(x.dtype), gate.reshape(b, t, h, hd), self.o_norm[...], cfg.rms_norm_eps)
+        return self.o_proj(o.reshape(b, t, h * hd), plan), KDAState(conv=conv, recurrent=s)
 
 
 class MLAttention(nnx.Module):
@@ -146,24 +150,37 @@ class MLAttention(nnx.Module):
         if cfg.mla_use_output_gate:
             self.g_proj = Linear(d, h * cfg.v_head_dim, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, state: MLAState, lengths: jax.Array, *, absorbed: bool):
-        """x [B, T, D] (normed), lengths [B] tokens already cached -> (y [B, T, D], state)."""
+    def __call__(self, x: jax.Array, state: MLAState, lengths: jax.Array, plan: KernelPlan = XLA):
+        """x [B, T, D] (normed), lengths [B] tokens already cached -> (y [B, T, D], state).
+
+        T = 1 (decode) attends in the absorbed form over the compressed cache; longer inputs
+        (prefill) decompress the cache (the expanded reference form).
+        """
         cfg = self.cfg
         b, t, _ = x.shape
         h, n, c = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        if cfg.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, plan)), plan)
+        else:
+            q = self.q_proj(x, plan)
         q = q.reshape(b, t, h, cfg.qk_head_dim)
-        ckv = self.kv_a_proj_with_mqa(x)
+        ckv = self.kv_a_proj_with_mqa(x, plan)
         entry = jnp.concatenate([self.kv_a_layernorm(ckv[..., :c]), ckv[..., c:]], axis=-1)
         pos = lengths[:, None] + jnp.arange(t, dtype=lengths.dtype)[None]            # [B, T]
         cache = state.latent.at[jnp.arange(b)[:, None], pos].set(entry.astype(state.latent.dtype), mode="drop")
-        mask = jnp.arange(cache.shape[1])[None, None, :] <= pos[:, :, None]          # [B, T, L]
-        attend = ops.mla_attention_absorbed if absorbed else ops.mla_attention_expanded
-        o = attend(q[..., :n], q[..., n:], cache[..., :c], cache[..., c:], self.kv_b_proj.weight[...],
-                   mask, cfg.qk_head_dim ** -0.5).reshape(b, t, -1)
+        scale = cfg.qk_head_dim ** -0.5
+        w_kv_b = self.kv_b_proj.weight[...]
+        if t == 1:
+            o = plan("mla_decode")(q[:, 0, :, :n], q[:, 0, :, n:], cache[..., :c], cache[..., c:], w_kv_b,
+                                   lengths + 1, scale)[:, None]
+        else:
+            mask = jnp.arange(cache.shape[1])[None, None, :] <= pos[:, :, None]      # [B, T, L]
+            o = ops.mla_attention_expanded(q[..., :n], q[..., n:], cache[..., :c], cache[..., c:], w_kv_b,
+                                           mask, scale)
+        o = o.reshape(b, t, -1)
         if cfg.mla_use_output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(o.dtype)
-        return self.o_proj(o), MLAState(latent=cache)
+            o = o * jax.nn.sigmoid(self.g_proj(x, plan).astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o, plan), MLAState(latent=cache)
 
 
 class Router(nnx.Module):
@@ -174,9 +191,9 @@ class Router(nnx.Module):
         self.weight = normal_param(rngs, (cfg.num_experts, cfg.hidden_size), dtype)
         self.e_score_correction_bias = normal_param(rngs, (cfg.num_experts,), jnp.float32, 0.01)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        return ops.route(x, self.weight[...], self.e_score_correction_bias[...],
+        return plan("route")(x, self.weight[...], self.e_score_correction_bias[...],
                          top_k=cfg.num_experts_per_token, activation=cfg.moe_router_activation_func,
                          renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor,
                          n_group=cfg.num_expert_group, topk_group=cfg.topk_group)
@@ -201,15 +218,11 @@ class RoutedExperts(nnx.Module):
             else:
                 setattr(self, name, normal_param(rngs, shape, dtype))
 
-    def weights(self, expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Gathers (and dequantises) only the given experts: ids [U] -> w1, w3 [U, I, M], w2 [U, M, I]."""
-        def one(name: str) -> jax.Array:
-            if self.cfg.expert_format == "mxfp4":
-                packed = getattr(self, f"{name}_packed")[...][expert_ids]
-                scale = getattr(self, f"{name}_scale")[...][expert_ids]
-                return mxfp4.dequantize(packed, scale, self.dtype)
-            return getattr(self, name)[...][expert_ids]
-        return one("w1"), one("w3"), one("w2")
+    def arrays(self) -> ops.ExpertWeights:
+        if self.cfg.expert_format == "mxfp4":
+            return ops.ExpertWeights(self.w1_packed[...], self.w3_packed[...], self.w2_packed[...],
+                                     self.w1_scale[...], self.w3_scale[...], self.w2_scale[...])
+        return ops.ExpertWeights(self.w1[...], self.w3[...], self.w2[...])
 
 
 class LatentMoE(nnx.Module):
@@ -229,66 +242,20 @@ class LatentMoE(nnx.Module):
             self.shared_experts = GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts,
                                            dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
         cfg = self.cfg
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = self.gate(flat)
-        z = self.routed_expert_down_proj(flat) if cfg.routed_expert_hidden_size else flat
-        u = routed_experts_forward(z, ids, weights, self.experts, cfg)
+        ids, weights = self.gate(flat, plan)
+        z = self.routed_expert_down_proj(flat, plan) if cfg.routed_expert_hidden_size else flat
+        u = plan("moe_experts")(z, ids, weights, self.experts.arrays(), act=cfg.hidden_act,
+                                beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)
-            u = self.routed_expert_up_proj(u)
+            u = self.routed_expert_up_proj(u, plan)
         if cfg.num_shared_experts:
-            u = u + self.shared_experts(flat)
+            u = u + self.shared_experts(flat, plan)
         return u.reshape(x.shape)
-
-
-EXPERT_CHUNK = 64  # distinct experts dequantised at once on the XLA path (bounds the bf16 temporary)
-
-
-def routed_experts_forward(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: RoutedExperts,
-                           cfg: K3Config, expert_chunk: int = EXPERT_CHUNK) -> jax.Array:
-    """sum_k weights[n, k] * expert_{ids[n, k]}(z[n]) for z [N, M], touching only selected experts.
-
-    The N*k (token, slot) pairs are sorted by expert; the distinct experts (at most min(E, N*k),
-    a static bound) are gathered and dequantised `expert_chunk` at a time, and each chunk is one
-    grouped matmul (`ragged_dot`) over the rows of its experts. Returns [N, M] in z's dtype.
-    """
-    n, k = ids.shape
-    slots = n * k
-    bound = min(cfg.num_experts, slots)
-    n_chunks = -(-bound // expert_chunk)
-    chunk = -(-bound // n_chunks)
-    flat = ids.reshape(-1)
-    # Sorted distinct ids, padded with E (sorts last; the gather clamps it to a real expert).
-    uniq = jnp.unique(flat, size=n_chunks * chunk, fill_value=cfg.num_experts)
-    slot_group = jnp.searchsorted(uniq, flat)                                   # [N*k]
-    order = jnp.argsort(slot_group, stable=True)
-    group_sizes = jnp.bincount(slot_group, length=n_chunks * chunk).astype(jnp.int32)
-    rows = z[order // k]                                                        # [N*k, M]
-    act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-    def grouped(x, w, sizes):  # x [R, in] @ w[g].T per group -> [R, out]
-        return jax.lax.ragged_dot_general(x, w, sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    def run_chunk(c: int | jax.Array) -> jax.Array:
-        ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
-        sizes = jax.lax.dynamic_slice_in_dim(group_sizes, c * chunk, chunk)
-        start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < c * chunk, group_sizes, 0))
-        w1, w3, w2 = experts.weights(jnp.minimum(ids_c, cfg.num_experts - 1))
-        x = jnp.roll(rows, -start, axis=0)          # this chunk's rows first; later rows give zeros
-        hid = ops.glu(grouped(x, w1, sizes), grouped(x, w3, sizes), *act)
-        return jnp.roll(grouped(hid, w2, sizes), start, axis=0)
-
-    if n_chunks == 1:
-        out_sorted = run_chunk(0)
-    else:
-        out_sorted = jax.lax.fori_loop(0, n_chunks, lambda c, acc: acc + run_chunk(c), jnp.zeros_like(rows))
-    per_slot = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
-    return jnp.einsum("nkm,nk->nm", per_slot.astype(jnp.float32), weights).astype(z.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -313,5 +280,5 @@ class DecoderLayer(nnx.Module):
             self.mlp_res_norm = norm_param(rngs, d, dtype)
             self.mlp_res_proj = normal_param(rngs, (d,), dtype, d ** -0.5)
 
-    def ffn(self, x: jax.Array) -> jax.Array:
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+    def ffn(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        return self.block_sparse_moe(x, plan) if self.is_moe else self.mlp(x, plan)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax import ops
+from k3jax.backend import XLA, KernelPlan
 from k3jax.cache import DecodeState, init_state
 from k3jax.config import K3Config
 from k3jax.layers import DecoderLayer, Linear, RMSNorm, norm_param, normal_param
@@ -27,11 +27,13 @@ class K3Model(nnx.Module):
 
     `model(input_ids)` -> float32 logits [B, T, V] (a full-sequence forward from an empty state).
     `model.forward(tokens, state, num_new)` -> (logits, state) extends the sequences in `state`.
+    `model.plan` (a static KernelPlan) picks each decode op's implementation (k3jax.backend).
     """
 
-    def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, plan: KernelPlan = XLA):
         self.cfg = cfg
         self.dtype = dtype
+        self.plan = plan
         d = cfg.hidden_size
         self.embed_tokens = normal_param(rngs, (cfg.vocab_size, d), dtype, 1.0)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)])
@@ -50,15 +52,15 @@ class K3Model(nnx.Module):
         b, t = tokens.shape
         num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
         valid = jnp.arange(t)[None, :] < num_new[:, None]                            # [B, T]
-        absorbed = t == 1  # decode reads the compressed cache; prefill expands it
+        plan = self.plan
         h = self.embed_tokens[...][tokens]
         new_states = []
 
         def mixer(layer: DecoderLayer, x: jax.Array, i: int) -> jax.Array:
             if layer.kind == "kda":
-                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], valid, num_new)
+                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], valid, num_new, plan)
             else:
-                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], state.lengths, absorbed=absorbed)
+                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], state.lengths, plan)
             new_states.append(s)
             return y
 
@@ -67,10 +69,10 @@ class K3Model(nnx.Module):
         else:
             for i, layer in enumerate(self.layers):
                 h = h + mixer(layer, h, i)
-                h = h + layer.ffn(layer.post_attention_layernorm(h))
+                h = h + layer.ffn(layer.post_attention_layernorm(h), plan)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        logits = self.lm_head(self.norm(h)).astype(jnp.float32)
+        logits = self.lm_head(self.norm(h), plan).astype(jnp.float32)
         return logits, DecodeState(lengths=state.lengths + num_new, layers=tuple(new_states))
 
     def _attn_res_stack(self, h: jax.Array, mixer) -> jax.Array:
@@ -80,7 +82,7 @@ class K3Model(nnx.Module):
         cfg = self.cfg
 
         def mix(blocks, partial, norm, query):
-            return ops.attn_res_mix(jnp.stack(blocks + [partial]), norm[...], query[...], cfg.rms_norm_eps)
+            return self.plan("attn_res_mix")(jnp.stack(blocks + [partial]), norm[...], query[...], cfg.rms_norm_eps)
 
         blocks: list[jax.Array] = []
         partial: jax.Array | None = h
@@ -92,7 +94,7 @@ class K3Model(nnx.Module):
             y = mixer(layer, x, i)
             partial = y if partial is None else partial + y
             x = mix(blocks, partial, layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.ffn(layer.post_attention_layernorm(x))
+            partial = partial + layer.ffn(layer.post_attention_layernorm(x), self.plan)
         return mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
 
     def __call__(self, input_ids) -> jax.Array:

@@ -7,8 +7,12 @@ come in the model dtype and leave in it; reductions and nonlinearities run in fl
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from k3jax import mxfp4
 
 f32 = jnp.float32
 
@@ -153,6 +157,39 @@ def kda_chunked(state, q, k, v, g, beta, chunk: int = 16):
     return o, s
 
 
+def kda_inputs(window, conv_w, f, beta_logit, a_log, dt_bias, num_heads: int, lower_bound: float | None):
+    """Everything the delta rule consumes, from the projections of T new tokens.
+
+    window [B, K-1+T, 3P] (past K-1 then new pre-conv q|k|v, model dtype); conv_w [3P, K] f32;
+    f [B, T, P] gate low-rank output; beta_logit [B, T, H]; a_log [H]; dt_bias [P].
+    Returns float32 q, k [B, T, H, d] (L2-normalised, q scaled by d^-0.5), v [B, T, H, d],
+    g [B, T, H, d] log-decay and beta [B, T, H].
+    """
+    b, t = f.shape[:2]
+    d = f.shape[-1] // num_heads
+    q, k, v = jnp.split(short_conv(window, conv_w).reshape(b, t, 3, num_heads, d), 3, axis=2)
+    q = l2_normalize(q[:, :, 0]) * d ** -0.5
+    k = l2_normalize(k[:, :, 0])
+    g = kda_decay(f.reshape(b, t, num_heads, d), a_log, dt_bias.reshape(num_heads, d), lower_bound)
+    return q, k, v[:, :, 0], g, jax.nn.sigmoid(beta_logit.astype(f32))
+
+
+def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
+               *, num_heads: int, lower_bound: float | None, eps: float):
+    """One KDA decode step after the projections: conv update, gates, L2 norms, delta rule, gated norm.
+
+    conv_state [B, K-1, 3P]; qkv [B, 3P]; f, gate [B, P]; beta_logit [B, H]; recurrent [B, H, d, d] f32.
+    Returns (o [B, P] in qkv's dtype, new conv_state, new recurrent).
+    """
+    window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
+    q, k, v, g, beta = kda_inputs(window, conv_w, f[:, None], beta_logit[:, None], a_log, dt_bias,
+                                  num_heads, lower_bound)
+    o, s = kda_recurrent_step(recurrent, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    b, h, d = o.shape
+    o = gated_rms_norm(o.astype(qkv.dtype), gate.reshape(b, h, d), o_norm, eps)
+    return o.reshape(b, h * d), window[:, 1:], s
+
+
 # ------------------------------------------------------------------ MLA
 def mla_attention_expanded(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
     """Reference MLA: decompress the latent cache into per-head keys/values, then softmax attention.
@@ -187,6 +224,16 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
     return jnp.einsum("bthc,hvc->bthv", o_lat, w_uv.astype(f32)).astype(q_nope.dtype)
 
 
+def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
+    """Absorbed MLA for one new token per sequence over the first kv_len[b] cache entries.
+
+    q_nope [B, H, N], q_rope [B, H, R]; latent [B, L, C]; k_rope [B, L, R]; kv_len [B] int.
+    Returns [B, H, V] in q's dtype.
+    """
+    mask = (jnp.arange(latent.shape[1])[None, :] < kv_len[:, None])[:, None, :]     # [B, 1, L]
+    return mla_attention_absorbed(q_nope[:, None], q_rope[:, None], latent, k_rope, w_kv_b, mask, scale)[:, 0]
+
+
 # ------------------------------------------------------------------ MoE routing
 def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
           scaling: float, n_group: int = 1, topk_group: int = 1):
@@ -210,6 +257,82 @@ def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
     if renormalize and top_k > 1:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), weights * scaling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ExpertWeights:
+    """Stacked routed-expert weights: w1/w3 [E, I, M] (gate/up), w2 [E, M, I] (down).
+
+    bf16 format: `w1`, `w3`, `w2` hold the matrices. MXFP4 format: they hold the packed codes
+    (uint8 [E, out, in/2]) and `s1`, `s3`, `s2` the UE8M0 scales (uint8 [E, out, in/32]).
+    """
+
+    w1: jax.Array
+    w3: jax.Array
+    w2: jax.Array
+    s1: jax.Array | None = None
+    s3: jax.Array | None = None
+    s2: jax.Array | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def is_mxfp4(self) -> bool:
+        return self.s1 is not None
+
+    def gather(self, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Only the experts `ids` [U], dequantised to `dtype`: (w1, w3, w2)."""
+        if self.is_mxfp4:
+            return tuple(mxfp4.dequantize(w[ids], s[ids], dtype)
+                         for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+        return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
+
+
+def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ExpertWeights, *,
+                act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
+    """sum_k weights[n, k] * expert_{ids[n, k]}(z[n]) for z [N, M], touching only selected experts.
+
+    The N*k (token, slot) pairs are sorted by expert; the distinct experts (at most min(E, N*k),
+    a static bound) are gathered and dequantised `expert_chunk` at a time (bounding the
+    temporary), and each chunk is one grouped matmul (`ragged_dot`) over its experts' rows.
+    The weighted combine runs in float32. Returns [N, M] in z's dtype.
+    """
+    n, k = ids.shape
+    n_exp = experts.num_experts
+    bound = min(n_exp, n * k)
+    n_chunks = -(-bound // expert_chunk)
+    chunk = -(-bound // n_chunks)
+    flat = ids.reshape(-1)
+    # Sorted distinct ids, padded with E (sorts last; the gather clamps it to a real expert).
+    uniq = jnp.unique(flat, size=n_chunks * chunk, fill_value=n_exp)
+    slot_group = jnp.searchsorted(uniq, flat)                                   # [N*k]
+    order = jnp.argsort(slot_group, stable=True)
+    group_sizes = jnp.bincount(slot_group, length=n_chunks * chunk).astype(jnp.int32)
+    rows = z[order // k]                                                        # [N*k, M]
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+    def grouped(x, w, sizes):  # per group: x rows @ w[g].T -> [R, out]
+        return jax.lax.ragged_dot_general(x, w, sizes, dims, preferred_element_type=f32).astype(x.dtype)
+
+    def run_chunk(c) -> jax.Array:
+        ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
+        sizes = jax.lax.dynamic_slice_in_dim(group_sizes, c * chunk, chunk)
+        start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < c * chunk, group_sizes, 0))
+        w1, w3, w2 = experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
+        x = jnp.roll(rows, -start, axis=0)          # this chunk's rows first; rows past them give zeros
+        hid = glu(grouped(x, w1, sizes), grouped(x, w3, sizes), act, beta, linear_beta)
+        return jnp.roll(grouped(hid, w2, sizes), start, axis=0)
+
+    if n_chunks == 1:
+        out_sorted = run_chunk(0)
+    else:
+        out_sorted = jax.lax.fori_loop(0, n_chunks, lambda c, acc: acc + run_chunk(c), jnp.zeros_like(rows))
+    per_slot = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
+    return jnp.einsum("nkm,nk->nm", per_slot.astype(f32), weights).astype(z.dtype)
 
 
 # ------------------------------------------------------------------ Block Attention Residuals

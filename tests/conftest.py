@@ -21,3 +21,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Float32 tiny models with random weights, built once per session: tiny_model(preset)."""
+    import k3jax
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = k3jax.from_pretrained(name, dtype="float32", seed=0)
+        return cache[name]
+    return get
