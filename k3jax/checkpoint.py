@@ -98,7 +98,7 @@ def checkpoint_layout(cfg: K3Config, prefix: str) -> list[Slot]:
     state = nnx.state(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
     slots = []
     for path, var in nnx.to_flat_state(state):
-        shape, dtype = tuple(var.value.shape), jnp.dtype(var.value.dtype)
+        shape, dtype = tuple(var.get_value().shape), jnp.dtype(var.get_value().dtype)
         hf_dtype = {jnp.dtype(jnp.uint8): "U8", jnp.dtype(jnp.float32): "F32"}.get(dtype, "BF16")
         last = path[-1]
         if path[0] in ("lm_head",):
@@ -266,9 +266,9 @@ def _sharding_for(sharding: ShardingSpec, path: tuple, shape, dtype) -> jax.shar
     return sharding(tuple(path), tuple(shape), dtype)
 
 
-@jax.jit
-def _put_rows(buf, rows, start):
-    return jax.lax.dynamic_update_slice_in_dim(buf, rows, start, axis=0)
+# rows [n, ...] written at buf[start:start+n] in place: buf is donated and keeps its sharding.
+_put_rows_jit = jax.jit(lambda buf, rows, start: jax.lax.dynamic_update_slice_in_dim(buf, rows, start, axis=0),
+                        donate_argnums=0)
 
 
 def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec = None,
@@ -298,7 +298,7 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec 
     bar = _progress(total, f"loading {os.path.basename(os.path.normpath(path))}", progress)
     values = {}
     for slot in slots:
-        target = flat[slot.path].value
+        target = flat[slot.path].get_value()
         sh = _sharding_for(sharding, slot.path, target.shape, target.dtype)
         if slot.kind == "expert":
             values[slot.path] = _load_stacked(slot, index, target.dtype, sh, bar)
@@ -309,7 +309,7 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec 
             bar.update(index.nbytes(name))
     bar.close()
     for p, var in flat.items():
-        var.value = values[p]
+        var.set_value(values[p])
     skipped = sorted(n for n in index.where if n.startswith(SKIPPED_ROOTS))
     if skipped:
         log.info("%s: skipped %d vision tower / projector tensors (%s...)", path, len(skipped),
@@ -323,12 +323,11 @@ def _load_stacked(slot: Slot, index: TensorIndex, dtype, sharding, bar) -> jax.A
     e = slot.shape[0]
     per = int(np.prod(slot.shape[1:])) * jnp.dtype(dtype).itemsize
     chunk = max(1, min(e, EXPERT_CHUNK_BYTES // max(per, 1)))
-    buf = jax.jit(lambda: jnp.zeros(slot.shape, dtype), out_shardings=sharding)()
-    put = jax.jit(_put_rows.__wrapped__, donate_argnums=0, out_shardings=sharding)
+    buf = jnp.zeros(slot.shape, dtype, device=sharding)
     for start in range(0, e, chunk):
         names = slot.names[start:start + chunk]
         rows = np.stack([np.asarray(_from_hf(slot, n, index.read(n))).astype(dtype) for n in names])
-        buf = put(buf, rows, start)
+        buf = _put_rows_jit(buf, rows, start)
         bar.update(sum(index.nbytes(n) for n in names))
     return buf
 
@@ -456,7 +455,7 @@ def model_entries(model, prefix: str) -> list[Entry]:
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     entries = []
     for slot in checkpoint_layout(model.cfg, prefix):
-        value = flat[slot.path].value
+        value = flat[slot.path].get_value()
         dt = DTYPES[slot.hf_dtype] if slot.hf_dtype != "BF16" else np.dtype(value.dtype)
         for i, name in enumerate(slot.names):
             def produce(slot=slot, value=value, i=i, dt=dt):
@@ -588,8 +587,8 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     for p, var in flat:
-        v = var.value
-        var.value = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_sharding_for(sharding, p, v.shape, v.dtype))
+        v = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_sharding_for(sharding, p, v.shape, v.dtype)))
     target = nnx.from_flat_state(flat)
     with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(os.path.join(os.path.abspath(path), "state"), target)

@@ -33,6 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/weight dtype")
     src.add_argument("--experts", choices=["mxfp4", "bf16"], help="routed-expert storage (default: the preset's)")
     src.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling (default 0)")
+    src.add_argument("--mesh", metavar="SPEC",
+                     help="device mesh, e.g. ep=8 or ep=2,tp=2 or dp=2,ep=4 (dp/ep/tp = data/expert/tensor "
+                          "parallel; default: one device); see docs/expert_parallel.md")
+    src.add_argument("--ep-variant", default="auto", choices=["auto", "ragged", "a2a", "allgather"],
+                     help="expert-parallel dispatch/combine (default auto: ragged on GPU, a2a on CPU)")
+    src.add_argument("--backend", default="xla", choices=["xla", "pallas", "cute"],
+                     help="decode-op implementations (default xla); ops without a kernel fall back, see the report")
     inp = p.add_argument_group("prompt")
     inp.add_argument("--prompt", action="append", metavar="TEXT",
                      help=f"prompt text (repeat for a batch of different prompts; default {DEFAULT_PROMPT!r})")
@@ -80,16 +87,22 @@ def run(args: argparse.Namespace) -> dict:
     import jax
 
     import k3jax
+    from k3jax.backend import KernelPlan
     from k3jax.costs import copy_bandwidth, decode_step_bytes
-    from k3jax.tokenizer import ByteTokenizer
+    from k3jax.tokenizer import tokenizer_for
 
     for name, value, low in (("--batch-size", args.batch_size, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
     changes = {"expert_format": args.experts} if args.experts else {}
-    model = k3jax.from_pretrained(args.checkpoint or args.preset, dtype=args.dtype, seed=args.seed, **changes)
+    model = k3jax.from_pretrained(args.checkpoint or args.preset, dtype=args.dtype, seed=args.seed,
+                                  mesh=args.mesh, **changes)
+    if args.mesh:
+        from k3jax.sharding import set_ep_variant
+        set_ep_variant(model, args.ep_variant)
+    model.plan = KernelPlan.for_backend(args.backend)
     cfg = model.cfg
-    tokenizer = ByteTokenizer(cfg.vocab_size)
+    tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
     if args.prompt_ids:
         prompts = [_parse_ids(t) for t in args.prompt_ids]
     else:
@@ -105,6 +118,8 @@ def run(args: argparse.Namespace) -> dict:
     achieved = moved / (result.step_ms / 1e3) if result.decode_steps else float("nan")
     report = {
         "settings": {k: v for k, v in vars(args).items()},
+        "kernels": model.plan.describe(),
+        "mesh": args.mesh or "single",
         "model": {"name": cfg.name, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
                   "expert_format": cfg.expert_format},
         "device": {"platform": device.platform, "kind": device.device_kind, "copy_bandwidth_Bps": bandwidth},
@@ -134,7 +149,8 @@ def print_report(r: dict, quiet: bool) -> None:
     rows = [
         ("model", f"{r['model']['name']} ({_count(r['model']['params'])} params, "
                   f"{_count(r['model']['active_params'])} active, experts {r['model']['expert_format']})"),
-        ("device", f"{r['device']['kind']} ({r['device']['platform']})"),
+        ("device", f"{r['device']['kind']} ({r['device']['platform']}), mesh {r['mesh']}"),
+        ("kernels", ", ".join(f"{op}={impl}" for op, impl in r["kernels"].items())),
         ("batch x new tokens", f"{len(r['tokens'])} x {len(r['tokens'][0])}"),
         ("compile", f"{r['compile_s']:.2f} s"),
         ("prefill", f"{r['prefill_s'] * 1e3:.1f} ms"),
@@ -151,6 +167,8 @@ def print_report(r: dict, quiet: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Big presets fill the GPU: let XLA's allocator take nearly all of it (its default is 75%).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     from k3jax.config import ConfigError
     from k3jax.weights import OutOfMemoryError
     try:

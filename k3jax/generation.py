@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from k3jax import ops
+from k3jax import ops, sharding
 from k3jax.cache import DecodeState, init_state
 from k3jax.model import K3Model
 
@@ -97,7 +97,7 @@ def pad_prompts(prompts, vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, 
 @partial(jax.jit, static_argnames=("graphdef", "max_len", "sampling"))
 def _prefill(graphdef, params, ids, lengths, key, *, max_len: int, sampling: SamplingParams):
     model = nnx.merge(graphdef, params)
-    state = init_state(model.cfg, ids.shape[0], max_len, model.dtype)
+    state = sharding.constrain_state(init_state(model.cfg, ids.shape[0], max_len, model.dtype))
     logits, state = model.forward(ids, state, lengths, last_only=True)
     return ops.sample(logits, key, sampling.temperature, sampling.top_k, sampling.top_p), state
 
@@ -125,7 +125,16 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
     cfg = model.cfg
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    mesh = sharding.model_mesh(model)
+    if mesh is not None and jax.sharding.get_abstract_mesh().empty:
+        with jax.set_mesh(mesh):  # a sharded model runs on its mesh (expert dispatch, state layout)
+            return generate_with_stats(model, input_ids, max_new_tokens, sampling=sampling, key=key, seed=seed,
+                                       stop_tokens=stop_tokens, pad_id=pad_id, progress=progress)
     ids, lengths = pad_prompts(input_ids, cfg.vocab_size, pad_id)
+    prompt_lengths = lengths
+    if mesh is not None:
+        ids = jax.device_put(ids, sharding.batch_sharding(mesh, ids.shape))
+        lengths = jax.device_put(lengths, sharding.batch_sharding(mesh, lengths.shape))
     max_len = ids.shape[1] + max_new_tokens
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
@@ -159,7 +168,7 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
         compile_s += t3 - t2
         decode_s = t4 - t3
 
-    tokens = np.asarray(out).copy()
+    tokens = sharding.to_host(out).copy()
     tokens[:, steps + 1:] = pad_id          # positions not reached after an early stop
     num = np.full((b,), max_new_tokens, np.int32)
     for i in range(b):
@@ -167,7 +176,7 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
         if len(hits):
             num[i] = hits[0] + 1
             tokens[i, hits[0] + 1:] = pad_id
-    return GenerationResult(tokens=tokens, num_generated=num, prompt_lengths=lengths, compile_s=compile_s,
+    return GenerationResult(tokens=tokens, num_generated=num, prompt_lengths=prompt_lengths, compile_s=compile_s,
                             prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps)
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax import mxfp4, ops
+from k3jax import moe_parallel, mxfp4, ops
 from k3jax.backend import XLA, KernelPlan
 from k3jax.cache import KDAState, MLAState
 from k3jax.config import K3Config
@@ -231,6 +231,7 @@ class LatentMoE(nnx.Module):
 
     def __init__(self, cfg: K3Config, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.ep_variant = "auto"  # expert-parallel dispatch (k3jax.moe_parallel.VARIANTS); static
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
         self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs)
         if cfg.routed_expert_hidden_size:
@@ -247,8 +248,12 @@ class LatentMoE(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(flat, plan)
         z = self.routed_expert_down_proj(flat, plan) if cfg.routed_expert_hidden_size else flat
-        u = plan("moe_experts")(z, ids, weights, self.experts.arrays(), act=cfg.hidden_act,
-                                beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
+        act = dict(act=cfg.hidden_act, beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
+        if moe_parallel.active_mesh() is not None:  # experts sharded over a mesh "expert" axis
+            u = moe_parallel.moe_experts(z, ids, weights, self.experts.arrays(), variant=self.ep_variant,
+                                         local_impl=plan("moe_experts"), **act)
+        else:
+            u = plan("moe_experts")(z, ids, weights, self.experts.arrays(), **act)
         if cfg.routed_expert_hidden_size:
             if cfg.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)

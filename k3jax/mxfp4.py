@@ -33,16 +33,25 @@ def pack_codes(codes: jax.Array) -> jax.Array:
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
+def _pow2(exponent_field: jax.Array) -> jax.Array:
+    """2^(field - 127) as float32, built from its bits (0 for field 0): field is uint 0..254."""
+    return jax.lax.bitcast_convert_type(exponent_field.astype(jnp.uint32) << 23, jnp.float32)
+
+
 def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype.
 
-    Exact: every E2M1 value times a power of two is representable in bf16 for scales in range.
+    Pure integer/float elementwise arithmetic (no table lookup), so XLA fuses the whole decode
+    into one pass that reads the packed bytes and writes `dtype`. An E2M1 code (sign s, exponent
+    e, mantissa m) is m/2 for e = 0 and (1 + m/2) * 2^(e-1) otherwise; multiplying by the
+    power-of-two scale is exact in float32 for scale codes 1..254.
     """
-    values = jnp.asarray(_E2M1_TABLE)[unpack_codes(packed).astype(jnp.int32)]
-    exps = scale.astype(jnp.int32) - SCALE_BIAS
-    grouped = values.reshape(*values.shape[:-1], scale.shape[-1], GROUP)
-    w = jnp.ldexp(grouped, exps[..., None])
-    return w.reshape(values.shape).astype(dtype)
+    codes = unpack_codes(packed)
+    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+    magnitude = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e.astype(jnp.uint32) + 126))
+    value = jnp.where(codes >= 8, -magnitude, magnitude)
+    grouped = value.reshape(*value.shape[:-1], scale.shape[-1], GROUP) * _pow2(scale)[..., None]
+    return grouped.reshape(value.shape).astype(dtype)
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -72,7 +81,9 @@ def random_packed(key: jax.Array, shape: tuple[int, ...], scale_exp: int = -7) -
     Generated where jit places it (on device), never on the host.
     """
     k1, k2 = jax.random.split(key)
-    packed = jax.random.bits(k1, (*shape[:-1], shape[-1] // 2), jnp.uint8)
+    # Draw 32-bit words and reinterpret them as bytes: no temporary larger than the result.
+    words = jax.random.bits(k1, (*shape[:-1], shape[-1] // 8), jnp.uint32)
+    packed = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(*shape[:-1], shape[-1] // 2)
     scale = (SCALE_BIAS + scale_exp + jax.random.randint(
         k2, (*shape[:-1], shape[-1] // GROUP), -1, 2, jnp.int32)).astype(jnp.uint8)
     return packed, scale

@@ -216,7 +216,8 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
     h, n = q_nope.shape[2], q_nope.shape[3]
     w = w_kv_b.reshape(h, -1, w_kv_b.shape[-1])                      # [H, N+V, C]
     w_uk, w_uv = w[:, :n], w[:, n:]
-    q_lat = jnp.einsum("bthn,hnc->bthc", q_nope, w_uk.astype(q_nope.dtype), preferred_element_type=f32)
+    # float32 operands: exact for bf16 inputs, and XLA:CPU has no batched bf16 x bf16 -> f32 dot.
+    q_lat = jnp.einsum("bthn,hnc->bthc", q_nope.astype(f32), w_uk.astype(f32))
     scores = (jnp.einsum("bthc,blc->bhtl", q_lat, latent.astype(f32))
               + jnp.einsum("bthr,blr->bhtl", q_rope, k_rope, preferred_element_type=f32)) * scale
     probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1)
@@ -291,14 +292,21 @@ class ExpertWeights:
         return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
 
 
+DENSE_DISPATCH_MAX_TOKENS = 64  # up to this many tokens, run each distinct expert on every token
+
+
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """sum_k weights[n, k] * expert_{ids[n, k]}(z[n]) for z [N, M], touching only selected experts.
 
-    The N*k (token, slot) pairs are sorted by expert; the distinct experts (at most min(E, N*k),
-    a static bound) are gathered and dequantised `expert_chunk` at a time (bounding the
-    temporary), and each chunk is one grouped matmul (`ragged_dot`) over its experts' rows.
-    The weighted combine runs in float32. Returns [N, M] in z's dtype.
+    The distinct selected experts (at most min(E, N*k), a static bound) are gathered and
+    dequantised `expert_chunk` at a time, which bounds the bf16 temporary. Two schedules, same sum:
+      * decode (N <= DENSE_DISPATCH_MAX_TOKENS): every gathered expert runs on all N tokens as one
+        batched matmul, and a [U, N] coefficient matrix (routing weight where token n chose expert
+        u, else 0) combines them — no sort, no scatter; the extra FLOPs are free at decode sizes;
+      * prefill: the N*k (token, slot) rows are sorted by expert and each chunk is one grouped
+        matmul (`ragged_dot`) over its experts' rows only.
+    Combines in float32. Returns [N, M] in z's dtype.
     """
     n, k = ids.shape
     n_exp = experts.num_experts
@@ -306,8 +314,28 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
     n_chunks = -(-bound // expert_chunk)
     chunk = -(-bound // n_chunks)
     flat = ids.reshape(-1)
-    # Sorted distinct ids, padded with E (sorts last; the gather clamps it to a real expert).
+    # Sorted distinct ids, padded with E (sorts last, matches no token; the gather clamps it).
     uniq = jnp.unique(flat, size=n_chunks * chunk, fill_value=n_exp)
+
+    def chunk_weights(c):
+        ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
+        return ids_c, experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
+
+    if n <= DENSE_DISPATCH_MAX_TOKENS:
+        coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights)
+
+        def run_chunk(c):
+            _, (w1, w3, w2) = chunk_weights(c)
+            gate = jnp.einsum("nm,uim->uni", z, w1, preferred_element_type=f32).astype(z.dtype)
+            up = jnp.einsum("nm,uim->uni", z, w3, preferred_element_type=f32).astype(z.dtype)
+            y = jnp.einsum("uni,umi->unm", glu(gate, up, act, beta, linear_beta), w2,
+                           preferred_element_type=f32).astype(z.dtype)
+            return jnp.einsum("un,unm->nm", jax.lax.dynamic_slice_in_dim(coef, c * chunk, chunk), y.astype(f32))
+
+        out = run_chunk(0) if n_chunks == 1 else jax.lax.fori_loop(
+            0, n_chunks, lambda c, acc: acc + run_chunk(c), jnp.zeros(z.shape, f32))
+        return out.astype(z.dtype)
+
     slot_group = jnp.searchsorted(uniq, flat)                                   # [N*k]
     order = jnp.argsort(slot_group, stable=True)
     group_sizes = jnp.bincount(slot_group, length=n_chunks * chunk).astype(jnp.int32)
@@ -318,35 +346,35 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
     def grouped(x, w, sizes):  # per group: x rows @ w[g].T -> [R, out]
         return jax.lax.ragged_dot_general(x, w, sizes, dims, preferred_element_type=f32).astype(x.dtype)
 
-    def run_chunk(c) -> jax.Array:
-        ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
+    def run_grouped(c) -> jax.Array:
+        _, (w1, w3, w2) = chunk_weights(c)
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, c * chunk, chunk)
         start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < c * chunk, group_sizes, 0))
-        w1, w3, w2 = experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
         x = jnp.roll(rows, -start, axis=0)          # this chunk's rows first; rows past them give zeros
         hid = glu(grouped(x, w1, sizes), grouped(x, w3, sizes), act, beta, linear_beta)
         return jnp.roll(grouped(hid, w2, sizes), start, axis=0)
 
-    if n_chunks == 1:
-        out_sorted = run_chunk(0)
-    else:
-        out_sorted = jax.lax.fori_loop(0, n_chunks, lambda c, acc: acc + run_chunk(c), jnp.zeros_like(rows))
+    out_sorted = run_grouped(0) if n_chunks == 1 else jax.lax.fori_loop(
+        0, n_chunks, lambda c, acc: acc + run_grouped(c), jnp.zeros_like(rows))
     per_slot = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
     return jnp.einsum("nkm,nk->nm", per_slot.astype(f32), weights).astype(z.dtype)
 
 
 # ------------------------------------------------------------------ Block Attention Residuals
-def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) -> jax.Array:
-    """Softmax mix over depth. candidates [N, ..., D] (block checkpoints, then the partial sum).
-
-    Each candidate is RMS-normalised and scored against the pseudo-query (norm weight * proj
-    weight, [D]); the softmax over N (float32) weights the raw candidates.
-    """
+def attn_res_weights(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) -> jax.Array:
+    """Softmax weights over depth, float32 [N, ...], for candidates [N, ..., D] (block checkpoints,
+    then the partial sum): each candidate is RMS-normalised and scored against the pseudo-query
+    (norm weight * proj weight, [D])."""
     v = candidates.astype(f32)
     keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
     scores = jnp.sum(keys * (norm_weight.astype(f32) * query.astype(f32)), axis=-1)  # [N, ...]
-    probs = jax.nn.softmax(scores, axis=0)
-    return jnp.sum(probs[..., None] * v, axis=0).astype(candidates.dtype)
+    return jax.nn.softmax(scores, axis=0)
+
+
+def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) -> jax.Array:
+    """Block AttnRes: the `attn_res_weights`-weighted sum of the raw candidates, in their dtype."""
+    probs = attn_res_weights(candidates, norm_weight, query, eps)
+    return jnp.sum(probs[..., None] * candidates.astype(f32), axis=0).astype(candidates.dtype)
 
 
 # ------------------------------------------------------------------ sampling

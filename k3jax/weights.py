@@ -65,21 +65,29 @@ def check_fits(cfg: K3Config, dtype, n_devices: int = 1, extra_bytes: int = 0) -
     return need
 
 
-def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, **config_changes) -> K3Model:
+def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mesh=None, **config_changes) -> K3Model:
     """A model from a preset name (random weights from `seed`) or a checkpoint directory.
 
     Random weights are drawn on the default device directly in their final dtype (nothing large
     is staged in host memory). `config_changes` override K3Config fields, e.g.
-    `expert_format="bf16"`. Raises ConfigError for an unknown preset and OutOfMemoryError when the
-    weights cannot fit.
+    `expert_format="bf16"`. `mesh` (a jax Mesh or a spec such as "ep=8", "ep=2,tp=2"; see
+    k3jax.sharding) creates every parameter directly in its shards. Raises ConfigError for an
+    unknown preset and OutOfMemoryError when the weights cannot fit.
     """
     dtype = parse_dtype(dtype)
+    if mesh is not None:
+        from k3jax import sharding
+        mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
     if os.path.isdir(path_or_preset):
         from k3jax.checkpoint import load_hf_checkpoint
-        return load_hf_checkpoint(path_or_preset, dtype=dtype, **config_changes)
+        model = load_hf_checkpoint(path_or_preset, dtype=dtype, **config_changes)
+        return model if mesh is None else sharding.shard_model(model, mesh)
     if path_or_preset not in PRESETS and os.sep in path_or_preset:
         raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
     cfg = get_preset(path_or_preset, **config_changes)
+    if mesh is not None:
+        sharding.check_fits_sharded(cfg, dtype, mesh)
+        return sharding.create_sharded(lambda: K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), mesh)
     check_fits(cfg, dtype)
     with jax.default_device(jax.devices()[0]):
         return K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed))

@@ -2,25 +2,107 @@
 KernelPlan (k3jax.backend), `python -m k3jax.validate` and `python -m k3jax.bench --ops`.
 
 The "xla" implementation of every op is its reference in k3jax.ops (k3jax.backend.REFERENCES);
-it is never registered here, so there is one formula in one place.
+it is never registered here, so there is one formula in one place. Each kernel module also
+registers an `OpSpec`: what validation and benchmarks need to know about the op (shape sweep,
+tolerance per dtype, byte/FLOP counts, how to compare outputs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 # Modules that register kernels when imported (each holds one fused op's kernels).
-KERNEL_MODULES: tuple[str, ...] = ()
+KERNEL_MODULES: tuple[str, ...] = ("pallas_kernels.linear", "cute_bridge.ops")
 
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {}
+_SPECS: dict[str, OpSpec] = {}
 _loaded = False
+
+# Output tolerance by dtype, as a fraction of the reference output's largest magnitude.
+# bf16 keeps 8 significant bits: kernel and reference each round once to bf16 after float32
+# work that differs only in summation order, so they may land on neighbouring values: 2 ulps
+# (2^-7). float32 outputs (states, router weights) allow float32 summation-order drift over
+# reductions of up to ~10^4 terms.
+TOLERANCE: dict[str, float] = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -9, "float32": 1e-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One point of an op's shape sweep.
+
+    `make(key)` builds random (never zero) positional arguments; `kwargs` are the static
+    keyword arguments of the reference; `sizes` tags where the case runs: "small" (CPU
+    interpret mode, CI), "k3" (real K3 shapes: GPU validation and benchmarks).
+    """
+
+    name: str
+    make: Callable[[jax.Array], tuple]
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    batch: int = 1
+    sizes: frozenset[str] = frozenset({"small"})
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """What the validator and benchmarks know about one op.
+
+    reference: the k3jax.ops function (the XLA path). cases(): the shape sweep.
+    cost(args, kwargs) -> (bytes moved at minimum, FLOPs): the roofline numerator.
+    compare(out, ref, args, kwargs) -> error as a fraction of the output scale (default:
+    max |out - ref| / max |ref| over every output leaf, in float32; NaN anywhere fails).
+    tolerance(args, kwargs) -> the allowed error (default: TOLERANCE of the first output's dtype).
+    """
+
+    name: str
+    reference: Callable
+    cases: Callable[[], list[Case]]
+    cost: Callable[[tuple, dict], tuple[float, float]]
+    compare: Callable[[Any, Any, tuple, dict], float] | None = None
+    tolerance: Callable[[tuple, dict], float] | None = None
+    notes: str = ""
+
+    def error(self, out, ref, args, kwargs) -> float:
+        if self.compare is not None:
+            return self.compare(out, ref, args, kwargs)
+        return relative_max_error(out, ref)
+
+    def allowed(self, ref, args, kwargs) -> float:
+        if self.tolerance is not None:
+            return self.tolerance(args, kwargs)
+        return TOLERANCE[jnp.dtype(jax.tree.leaves(ref)[0].dtype).name]
+
+
+def relative_max_error(out, ref) -> float:
+    """max |out - ref| / max |ref| over all leaves (NaN if any output is NaN or shapes differ)."""
+    worst = 0.0
+    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        o, r = np.asarray(o, np.float32), np.asarray(r, np.float32)
+        if o.shape != r.shape or not np.all(np.isfinite(o)):
+            return float("nan")
+        worst = max(worst, float(np.max(np.abs(o - r))) / max(float(np.max(np.abs(r))), 1e-30))
+    return worst
 
 
 def register(op: str, impl: str, fn: Callable) -> Callable:
     """Registers `fn` as the `impl` implementation of `op` (same signature as its reference)."""
     _IMPLEMENTATIONS[(op, impl)] = fn
     return fn
+
+
+def register_spec(spec: OpSpec) -> OpSpec:
+    _SPECS[spec.name] = spec
+    return spec
 
 
 def _load_all() -> None:
@@ -35,3 +117,21 @@ def implementation(op: str, impl: str) -> Callable | None:
     """The registered implementation, or None when `impl` has no kernel for `op`."""
     _load_all()
     return _IMPLEMENTATIONS.get((op, impl))
+
+
+def implementations(op: str) -> dict[str, Callable]:
+    """Every registered non-XLA implementation of `op`, by name."""
+    _load_all()
+    return {impl: fn for (o, impl), fn in _IMPLEMENTATIONS.items() if o == op}
+
+
+def spec(op: str) -> OpSpec:
+    _load_all()
+    if op not in _SPECS:
+        raise KeyError(f"no OpSpec registered for op {op!r}; registered: {', '.join(sorted(_SPECS))}")
+    return _SPECS[op]
+
+
+def specs() -> dict[str, OpSpec]:
+    _load_all()
+    return dict(_SPECS)

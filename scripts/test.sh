@@ -3,7 +3,8 @@
 # pytest's exit code 5 (no tests collected) is a failure here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test || exit 1
+# `cute`: CI builds the CuTe kernel library (no GPU needed) and exports it for CUDA.
+bash scripts/setup.sh test,cute || exit 1
 .venv/bin/python -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi

@@ -25,7 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """Float32 tiny models with random weights, built once per session: tiny_model(preset)."""
+    """Float32 tiny models with random weights, built once per session: tiny_model(preset).
+    Shared between tests: never mutate the returned model (e.g. its plan); build your own instead."""
     import k3jax
 
     cache = {}

@@ -1,0 +1,100 @@
+"""The kernel set: every CuTe kernel the shared library holds, with its argument contract.
+
+Pure data (no CuTe DSL import), so the loader on the GPU machine checks calls against the same
+specs the build compiled. A dimension is an int (static) or a symbol name (dynamic, bound from
+the arrays at call time; one symbol means one size everywhere it appears). Arrays are dense
+row-major. Kernel arguments are the inputs, then the outputs, then the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+Dim = int | str
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    name: str
+    dtype: str                 # numpy dtype name: float32, bfloat16, int32, uint8
+    shape: tuple[Dim, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """`entry` is "module:function" of a @cute.jit host function under cute_bridge.kernels."""
+
+    name: str
+    entry: str
+    inputs: tuple[Arg, ...]
+    outputs: tuple[Arg, ...]
+    divisibility: tuple[tuple[str, int], ...] = ()     # symbol -> required multiple
+
+    @property
+    def target(self) -> str:
+        """The XLA FFI target name."""
+        return f"k3cute_{self.name}"
+
+    @property
+    def args(self) -> tuple[Arg, ...]:
+        return self.inputs + self.outputs
+
+    @property
+    def symbols(self) -> dict[str, int]:
+        """Every dynamic dimension (in first-use order) -> its divisibility."""
+        div = dict(self.divisibility)
+        return {d: div.get(d, 1) for a in self.args for d in a.shape if isinstance(d, str)}
+
+
+GEMV_ROWS = (1, 2, 4, 8)        # batch rows with a compiled GEMV; others pad up or fall back
+
+
+def _gemv(rows: int) -> KernelSpec:
+    return KernelSpec(
+        name=f"gemv_r{rows}", entry="cute_bridge.kernels.gemv:gemv",
+        inputs=(Arg("x", "bfloat16", (rows, "K")), Arg("w", "bfloat16", ("N", "K"))),
+        outputs=(Arg("y", "bfloat16", (rows, "N")),),
+        divisibility=(("K", 8),))
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(name="add", entry="cute_bridge.kernels.add:add",
+               inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
+               outputs=(Arg("out", "float32", ("n",)),)),
+    *(_gemv(r) for r in GEMV_ROWS),
+    # MXFP4 codes travel as int32 words (8 codes each) so a lane loads a scale group in 16 bytes.
+    KernelSpec(
+        name="moe_gate_up", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
+        inputs=(Arg("z", "bfloat16", ("N", "M")), Arg("ids", "int32", ("S",)),
+                Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
+                Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
+        outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
+        divisibility=(("M", 32), ("M8", 4))),
+    KernelSpec(
+        name="moe_down_combine", entry="cute_bridge.kernels.mxfp4_moe:down_combine",
+        inputs=(Arg("hid", "bfloat16", ("S", "I")), Arg("ids", "int32", ("S",)),
+                Arg("weights", "float32", ("S",)),
+                Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
+        outputs=(Arg("out", "bfloat16", ("N", "M")),),
+        divisibility=(("I", 32), ("I8", 4))),
+)
+
+BY_NAME = {k.name: k for k in KERNELS}
+
+# Everything that changes the compiled library: the kernel-set hash covers these and the sources.
+ARCH = "sm_90a"
+HOST_TARGET = "llvm -mtriple=x86_64-unknown-linux-gnu -mcpu=x86-64-v2"   # portable host launcher code
+CUTLASS_DSL_VERSION = "4.8.1"
+_HASHED = ("kernel_set.py", "codegen.py", "build.py")
+
+
+def kernel_set_hash() -> str:
+    """sha256 (16 hex digits) of the kernel sources, the glue generator and the build options."""
+    import hashlib
+    import pathlib
+    root = pathlib.Path(__file__).parent
+    files = sorted([root / f for f in _HASHED] + list((root / "kernels").glob("*.py")))
+    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}".encode())
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]

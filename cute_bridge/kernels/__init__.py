@@ -1,0 +1,1 @@
+"""CuTe DSL kernel sources. Importing these needs nvidia-cutlass-dsl (build machine only)."""

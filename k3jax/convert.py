@@ -1,0 +1,61 @@
+"""`python -m k3jax.convert`: Hugging Face checkpoint <-> orbax, and synthetic checkpoints.
+
+    python -m k3jax.convert hf-to-orbax  HF_DIR  ORBAX_DIR [--dtype bfloat16]
+    python -m k3jax.convert orbax-to-hf  ORBAX_DIR  HF_DIR [--max-shard-gb 5]
+    python -m k3jax.convert synthetic    HF_DIR --preset k3-tiny [--seed 0] [--max-shard-gb 5]
+
+Every write is atomic (a temporary sibling directory renamed into place when complete), so an
+interrupted run leaves no directory that loads. The orbax checkpoint stores the model state (MXFP4
+experts stay packed) and the original config.json; `orbax-to-hf` writes the same Hugging Face
+layout back (names, shapes, K3 `language_model.` prefix, per-expert tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3jax.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("hf-to-orbax", help="Hugging Face directory -> orbax checkpoint")
+    a.add_argument("src")
+    a.add_argument("dst")
+    a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    b = sub.add_parser("orbax-to-hf", help="orbax checkpoint -> Hugging Face directory")
+    b.add_argument("src")
+    b.add_argument("dst")
+    s = sub.add_parser("synthetic", help="random HF checkpoint of a preset, deterministic from --seed")
+    s.add_argument("dst")
+    s.add_argument("--preset", default="k3-tiny")
+    s.add_argument("--seed", type=int, default=0)
+    for q in (a, b, s):
+        q.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    for q in (b, s):
+        q.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5 GB)")
+    args = p.parse_args(argv)
+
+    from k3jax import checkpoint as ckpt
+    from k3jax.config import ConfigError
+    try:
+        if args.cmd == "hf-to-orbax":
+            model = ckpt.load_hf_checkpoint(args.src, dtype=args.dtype)
+            out = ckpt.save_orbax(model, args.dst, ckpt.read_hf_config(args.src), overwrite=args.overwrite)
+        elif args.cmd == "orbax-to-hf":
+            model, hf_config = ckpt.restore_orbax(args.src)
+            out = ckpt.save_hf_checkpoint(model, args.dst, hf_config, overwrite=args.overwrite,
+                                          max_shard_bytes=int(args.max_shard_gb * 1e9))
+        else:
+            out = ckpt.write_synthetic_checkpoint(args.dst, args.preset, args.seed, overwrite=args.overwrite,
+                                                  max_shard_bytes=int(args.max_shard_gb * 1e9))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+        sys.stderr.write(f"k3jax.convert: error: {e}\n")
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Expert-parallel routed experts: the latent is dispatched to the ranks owning the selected
+experts and combined back, with an explicit `jax.shard_map` over the mesh's "expert" axis.
+
+Contract (every variant): `moe_experts(z, ids, weights, experts, ...)` with z [N, M] (the
+latent, M = moe_hidden_size, e.g. 3584), ids/weights [N, k] and the experts sharded
+[E / ep per rank] returns the same [N, M] as `ops.moe_experts` on one device. Tokens are split
+over ("data", "expert") (padded to a multiple; "ragged" and "a2a" never send padding); the
+expert math on each rank IS `ops.moe_experts` (or the KernelPlan's "moe_experts" kernel, same
+contract) over that rank's experts, one (token, slot) row each with weight 1, so it returns the
+per-slot outputs; the weighted sum runs on the token's own rank in float32 exactly as in
+`ops.moe_experts`. No variant drops a token: buffers are sized for the
+worst case (every (token, slot) pair of every rank routed to one rank).
+
+Variants (`variant=`):
+- "ragged": `jax.lax.ragged_all_to_all` there and back; only the routed rows travel. GPU.
+  (It lowers on XLA:CPU but does not run there.)
+- "a2a": `jax.lax.all_to_all` of a dense [ep, n*k, M] buffer per rank (each destination's rows
+  packed at the front). Same contract; runs everywhere (CPU tests).
+- "allgather": all-gather the tokens over the expert axis, every rank runs its own experts on
+  the slots routed to it, reduce-scatter the per-slot outputs back to the token owners (exact:
+  each slot is non-zero on one rank only). No data-dependent communication; for tiny batches.
+- "auto": on GPU "allgather" up to ALLGATHER_MAX_TOKENS tokens per expert group, "ragged"
+  above (BENCHMARKS.md); "a2a" elsewhere.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax import ops
+
+f32 = jnp.float32
+VARIANTS = ("ragged", "a2a", "allgather")
+AXIS = "expert"
+TOKEN_AXES = ("data", "expert")
+# Measured on 2x H200, ep=2 (BENCHMARKS.md): dispatch+combine allgather 134/211/218 us at 1/8/64
+# tokens vs ragged 257/337/1026 us and a2a 113/252/936 us. allgather's traffic and wasted expert
+# rows grow with ep: re-measure before trusting this threshold on larger meshes.
+ALLGATHER_MAX_TOKENS = 64
+
+
+def active_mesh():
+    """The mesh set by `jax.set_mesh` (or None) when it has an expert axis larger than 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+        return None
+    return mesh
+
+
+def resolve_variant(variant: str, tokens_per_group: int, platform: str | None = None) -> str:
+    if variant not in VARIANTS + ("auto",):
+        raise ValueError(f"unknown expert-parallel variant {variant!r}; choose from auto, {', '.join(VARIANTS)}")
+    if variant != "auto":
+        return variant
+    platform = platform or jax.default_backend()
+    if platform not in ("gpu", "cuda", "rocm"):
+        return "a2a"
+    return "allgather" if tokens_per_group <= ALLGATHER_MAX_TOKENS else "ragged"
+
+
+def _expert_rows(rows, local_ids, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
+    """rows [R, M], local_ids [R] -> per-row expert outputs [R, M]: `impl` (ops.moe_experts or a
+    kernel with its contract) with k = 1 and weight 1."""
+    return impl(rows, local_ids[:, None], jnp.ones((rows.shape[0], 1), f32), experts, **act_kw)
+
+
+def _combine(per_slot, weights, dtype) -> jax.Array:
+    """per_slot [n, k, M], weights [n, k] -> [n, M]: the weighted sum of ops.moe_experts."""
+    return jnp.einsum("nkm,nk->nm", per_slot.astype(f32), weights).astype(dtype)
+
+
+def _destinations(ids, valid, e_local: int, ep: int):
+    """Per (token, slot) pair: owner rank (ep for padding) and local expert id."""
+    dest = jnp.where(jnp.repeat(valid, ids.shape[1]), ids.reshape(-1) // e_local, ep)
+    return dest, ids.reshape(-1) % e_local
+
+
+def _a2a(z, ids, weights, valid, experts, *, expert_fn):
+    n, k = ids.shape
+    ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
+    dest, local = _destinations(ids, valid, e_local, ep)
+    onehot = dest[:, None] == jnp.arange(ep)[None]                              # [pairs, ep]
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, ep - 1)[:, None], 1)[:, 0]
+    rows = z[jnp.arange(pairs) // k]
+    # Padding pairs have dest == ep: mode="drop" leaves them out of the buffers.
+    send = jnp.zeros((ep, pairs, z.shape[1]), z.dtype).at[dest, pos].set(rows, mode="drop")
+    send_ids = jnp.zeros((ep, pairs), jnp.int32).at[dest, pos].set(local, mode="drop")
+    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids, AXIS, 0, 0, tiled=True)
+    y = expert_fn(recv.reshape(ep * pairs, -1), recv_ids.reshape(-1), experts)
+    back = jax.lax.all_to_all(y.reshape(ep, pairs, -1), AXIS, 0, 0, tiled=True)
+    per_slot = back[jnp.minimum(dest, ep - 1), pos].reshape(n, k, -1)
+    return _combine(per_slot, weights, z.dtype)
+
+
+def _exclusive_cumsum(x, axis=-1):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _ragged(z, ids, weights, valid, experts, *, expert_fn):
+    n, k = ids.shape
+    ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
+    me = jax.lax.axis_index(AXIS)
+    dest, local = _destinations(ids, valid, e_local, ep)
+    order = jnp.argsort(dest, stable=True)                                      # by owner; padding last
+    counts = jnp.sum(dest[:, None] == jnp.arange(ep)[None], axis=0).astype(jnp.int32)   # [ep] sent to each
+    table = jax.lax.all_gather(counts, AXIS)                                    # [src, dst]
+    send_off = _exclusive_cumsum(counts)
+    recv_sizes = table[:, me]
+    recv_off = _exclusive_cumsum(recv_sizes)
+    # Where my rows land on each receiver: after the rows of the lower-ranked senders.
+    out_off = _exclusive_cumsum(table, axis=0)[me]
+    cap = ep * pairs                                                            # worst case: all to me
+    recv = jax.lax.ragged_all_to_all(z[order // k], jnp.zeros((cap, z.shape[1]), z.dtype), send_off, counts,
+                                     out_off, recv_sizes, axis_name=AXIS)
+    recv_ids = jax.lax.ragged_all_to_all(local[order], jnp.zeros((cap,), jnp.int32), send_off, counts,
+                                         out_off, recv_sizes, axis_name=AXIS)
+    y = expert_fn(recv, recv_ids, experts)
+    # Back to each source, at the offset its rows for me started from.
+    back_off = _exclusive_cumsum(table, axis=1)[:, me]
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((pairs, z.shape[1]), z.dtype), recv_off, recv_sizes,
+                                     back_off, counts, axis_name=AXIS)
+    per_slot = jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
+    return _combine(per_slot, weights, z.dtype)
+
+
+def _allgather(z, ids, weights, valid, experts, *, expert_fn):
+    n, k = ids.shape
+    e_local = experts.num_experts
+    me = jax.lax.axis_index(AXIS)
+    z_all = jax.lax.all_gather(z, AXIS, tiled=True)                             # [ep*n, M]
+    ids_all = jax.lax.all_gather(ids, AXIS, tiled=True)                         # [ep*n, k]
+    mine = (ids_all // e_local == me).reshape(-1)
+    y = expert_fn(z_all[jnp.arange(ids_all.size) // k], (ids_all % e_local).reshape(-1), experts)
+    y = jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)).reshape(-1, k, z.shape[1])
+    per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
+    return _combine(per_slot, weights, z.dtype)
+
+
+_IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather}
+
+
+def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
+                act: str, beta: float, linear_beta: float | None, variant: str = "auto", mesh=None,
+                local_impl=ops.moe_experts, expert_fn=None) -> jax.Array:
+    """Expert-parallel ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
+
+    `experts` are the global stacked arrays (sharded over "expert"); `mesh` defaults to the
+    active `jax.set_mesh` mesh, whose "expert" axis must divide the number of experts.
+    `local_impl` runs each rank's experts (ops.moe_experts, or the KernelPlan's "moe_experts"
+    kernel: same contract). `expert_fn(rows [R, M], local_ids [R], local experts) -> [R, M]`
+    replaces the whole per-rank step; benchmarks pass an identity to time dispatch + combine alone.
+    """
+    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if m.empty or AXIS not in m.axis_names:
+        raise ValueError("expert-parallel moe_experts needs a mesh with an 'expert' axis (jax.set_mesh or mesh=)")
+    ep = m.shape[AXIS]
+    if experts.num_experts % ep:
+        raise ValueError(f"{experts.num_experts} experts do not split over expert axis of size {ep}")
+    token_axes = tuple(a for a in TOKEN_AXES if a in m.axis_names)
+    shards = 1
+    for a in token_axes:
+        shards *= m.shape[a]
+    n = z.shape[0]
+    n_pad = -(-n // shards) * shards
+    variant = resolve_variant(variant, n_pad // shards * ep)
+    valid = jnp.arange(n_pad) < n
+    if n_pad != n:
+        pad = ((0, n_pad - n), (0, 0))
+        z, ids, weights = jnp.pad(z, pad), jnp.pad(ids, pad), jnp.pad(weights, pad)
+    tok = P(token_axes)
+    if expert_fn is None:
+        expert_fn = partial(_expert_rows, impl=local_impl, act_kw=dict(act=act, beta=beta, linear_beta=linear_beta))
+    fn = jax.shard_map(partial(_IMPLS[variant], expert_fn=expert_fn),
+                       mesh=mesh, in_specs=(tok, tok, tok, tok, P(AXIS)), out_specs=tok, check_vma=False)
+    return fn(z, ids, weights, valid, experts)[:n]

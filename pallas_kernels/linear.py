@@ -1,0 +1,168 @@
+"""Skinny bf16 GEMM/GEMV for decode projections: y = x @ W.T, x [..., in] (1-256 rows), W [out, in].
+
+Kernel (Mosaic GPU, Hopper): "swap AB". Decode has few rows, so the weight plays the wgmma's
+M side (64 output features per warpgroup) and the activations its N side (rows padded to a
+multiple of 8, the smallest wgmma N): acc[64, N] += W[64, bk] @ x[N, bk].T, with W and x tiles
+streamed GMEM -> SMEM by TMA in a multi-stage `emit_pipeline`. Every weight byte is read exactly
+once per call; that read is the whole cost at decode, so the grid is sized for bandwidth:
+out/64 tiles times a split of the input dimension chosen to fill every SM in whole waves. Each
+split writes a float32 partial [S, out, N]; a tiny XLA epilogue sums, transposes and casts.
+
+Shapes the kernel does not cover (non-bf16, out or in not a multiple of 64, more than 256 rows)
+run the reference (k3jax.ops.linear) instead; `covers()` says which.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from k3jax import ops
+from pallas_kernels import mgpu, registry
+
+BLOCK_OUT = 64            # one warpgroup's wgmma M
+MAX_ROWS = 256            # largest wgmma N
+SMEM_BUDGET = 180 * 1024  # of the H200's 227 KB per block; leaves room for the epilogue tile
+
+
+def covers(x_shape, w_shape, x_dtype, w_dtype) -> bool:
+    """Whether the kernel handles these shapes/dtypes (else `linear` runs the reference)."""
+    rows = math.prod(x_shape[:-1])
+    out, din = w_shape
+    return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(w_dtype) == jnp.bfloat16
+            and out % BLOCK_OUT == 0 and din % 64 == 0 and 1 <= rows <= MAX_ROWS)
+
+
+def plan(rows_padded: int, out: int, din: int, sms: int) -> tuple[int, int, int]:
+    """(block_k, pipeline stages, K splits) for one call.
+
+    The largest k tile (leaving at least two k steps) and stage count whose SMEM fits; then
+    the K split maximising (SM fill over whole waves: a tail wave idles SMs at a bandwidth-
+    bound step) x (weight bytes / (weight + partial-sum bytes)), with at least two pipeline
+    steps per block; ties go to the smaller split.
+    """
+    block_k, stages = next(((bk, st) for bk in (256, 128, 64) for st in (4, 3, 2)
+                            if din % bk == 0 and din // bk >= 2
+                            and (BLOCK_OUT + rows_padded) * bk * 2 * st <= SMEM_BUDGET),
+                           (64, 1))          # in == 64: a single k step
+    k_steps = din // block_k
+    tiles = out // BLOCK_OUT
+    weight_bytes = out * din * 2
+    best = (0.0, 1)
+    for s in range(1, k_steps + 1):
+        if k_steps % s or (s > 1 and k_steps // s < 2):
+            continue
+        blocks = tiles * s
+        fill = blocks / (math.ceil(blocks / sms) * sms)
+        # Each split's float32 partial is written and read back by the epilogue.
+        useful = weight_bytes / (weight_bytes + 2 * s * out * rows_padded * 4)
+        if fill * useful > best[0] + 1e-9:
+            best = (fill * useful, s)
+    # delay_release=1 (a wgmma may still read the previous stage) needs at least 2 stages.
+    return block_k, max(min(2, k_steps), min(stages, k_steps // best[1])), best[1]
+
+
+def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: int) -> jax.Array:
+    """float32 partial products [splits, out, N] of W @ xp.T, xp [N, in] bf16 (N % 8 == 0)."""
+    n, din = xp.shape
+    out = w.shape[0]
+    k_per = din // splits
+    # A stage is refilled only after the next step's wgmma was issued (the previous one may
+    # still read it); with a single step nothing is refilled.
+    delay = 1 if stages >= 2 else 0
+
+    def body(x_gmem, w_gmem, o_gmem):
+        oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
+        k_slice = pl.ds(si * k_per, k_per)
+
+        def acc_scope(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, w_smem, x_smem: plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0))),
+                grid=(k_per // block_k,),
+                in_specs=[plgpu.BlockSpec((BLOCK_OUT, block_k), lambda k: (oi, k), delay_release=delay),
+                          plgpu.BlockSpec((n, block_k), lambda k: (0, k), delay_release=delay)],
+                max_concurrent_steps=stages,
+            )(w_gmem.at[:, k_slice], x_gmem.at[:, k_slice])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_OUT, n)))
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_OUT, n), jnp.float32))
+        def _store(o_smem):
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((splits, out, n), jnp.float32),
+        grid=(out // BLOCK_OUT, splits), grid_names=("o", "s"),
+        compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
+    )(xp, w)
+
+
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """Same contract as k3jax.ops.linear: x [..., in] @ weight[out, in].T -> [..., out] in x's dtype."""
+    if not covers(x.shape, weight.shape, x.dtype, weight.dtype):
+        return ops.linear(x, weight)
+    lead, din = x.shape[:-1], x.shape[-1]
+    out = weight.shape[0]
+    rows = math.prod(lead)
+    n = max(8, -(-rows // 8) * 8)
+    xp = jnp.pad(x.reshape(rows, din), ((0, n - rows), (0, 0)))
+    block_k, stages, splits = plan(n, out, din, mgpu.num_sms())
+    part = _partials(xp, weight, block_k, stages, splits)
+    return part.sum(0).T[:rows].astype(x.dtype).reshape(*lead, out)
+
+
+registry.register("linear", "pallas", linear)
+
+# ------------------------------------------------------------------ validation / benchmark spec
+# (out, in) of K3's dense decode projections (see K3_ARCHITECTURE.md).
+K3_SHAPES = {
+    "kda_qkvg_proj": (12288, 7168), "kda_o_proj": (7168, 12288), "kda_f_a": (128, 7168),
+    "kda_f_b": (12288, 128), "mla_q_a": (1536, 7168), "mla_q_b": (18432, 1536),
+    "mla_kv_a": (576, 7168), "latent_down": (3584, 7168), "latent_up": (7168, 3584),
+    "shared_down": (7168, 6144), "lm_head": (163840, 7168),
+}
+BENCH_BATCHES = (1, 8, 32, 128)
+
+
+def _make(rows: int, out: int, din: int, dtype=jnp.bfloat16):
+    def make(key):
+        kx, kw = jax.random.split(key)
+        x = jax.random.normal(kx, (rows, din), jnp.float32).astype(dtype)
+        w = (jax.random.normal(kw, (out, din), jnp.float32) * din ** -0.5).astype(dtype)
+        return x, w
+    return make
+
+
+def cases() -> list[registry.Case]:
+    small = [registry.Case(f"rows{r}_out{o}_in{i}", _make(r, o, i), batch=r)
+             for r, o, i in ((1, 128, 256), (5, 64, 512), (8, 192, 128), (33, 128, 384), (256, 64, 256),
+                             (4, 512, 64))]
+    # Outside the kernel's coverage: must still match (the reference runs).
+    small.append(registry.Case("fallback_out96", _make(3, 96, 256), batch=3))
+    k3 = [registry.Case(f"{name}_b{b}", _make(b, o, i), batch=b, sizes=frozenset({"k3"}))
+          for name, (o, i) in K3_SHAPES.items() for b in BENCH_BATCHES]
+    k3.append(registry.Case("kda_qkvg_proj_b256", _make(256, 12288, 7168), batch=256, sizes=frozenset({"k3"})))
+    return small + k3
+
+
+def cost(args, kwargs) -> tuple[float, float]:
+    x, w = args
+    rows = math.prod(x.shape[:-1])
+    out, din = w.shape
+    nbytes = w.size * w.dtype.itemsize + x.size * x.dtype.itemsize + rows * out * x.dtype.itemsize
+    return float(nbytes), 2.0 * rows * out * din
+
+
+registry.register_spec(registry.OpSpec(
+    name="linear", reference=ops.linear, cases=cases, cost=cost,
+    notes="bf16, out % 64 == 0, in % 64 == 0, <= 256 rows in the kernel; anything else runs the reference",
+))

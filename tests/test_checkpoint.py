@@ -1,0 +1,245 @@
+"""Checkpoint loading/writing: synthetic round trips, strict validation, orbax, tokenizer,
+and parity with third-party implementations (fixtures from checkpoints/make_parity_fixtures.py)."""
+
+import base64
+import json
+import os
+import shutil
+import struct
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import k3jax
+from k3jax import checkpoint as ckpt
+from k3jax.safetensors_io import SafetensorsError, SafetensorsFile, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "checkpoints", "fixtures")
+TINY = os.path.join(ROOT, "checkpoints", "k3-tiny")
+
+
+def load(path, **kw):
+    return ckpt.load_hf_checkpoint(path, progress=False, **kw)
+
+
+def max_rel_err(got, ref):
+    """max |got - ref| / max |ref| (the scale of the logits)."""
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+# ------------------------------------------------------------------ third-party parity
+@pytest.mark.parametrize("name", ["kimi_linear", "k3"])
+def test_parity_with_third_party(name):
+    """kimi_linear: HF transformers; k3: Moonshot's K3 modeling (MindSpeed-MM copy)."""
+    d = os.path.join(FIXTURES, name)
+    exp = np.load(os.path.join(d, "expected.npz"))
+    model = k3jax.from_pretrained(d, dtype="float32")
+    assert model.cfg.expert_format == ("mxfp4" if name == "k3" else "bf16")
+    logits = np.asarray(model(exp["input_ids"]))
+    assert max_rel_err(logits, exp["logits"]) < 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), exp["logits"].argmax(-1))
+    greedy = np.asarray(k3jax.generate(model, exp["prompt"], max_new_tokens=exp["greedy"].shape[1]))
+    np.testing.assert_array_equal(greedy, exp["greedy"])
+
+
+def test_k3_fixture_is_released_layout():
+    st = SafetensorsFile(os.path.join(FIXTURES, "k3", "model.safetensors"))
+    info = st.info("language_model.model.layers.0.self_attn.A_log")
+    assert (info.dtype, info.shape) == ("F32", (128,))
+    packed = st.info("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed")
+    assert packed.dtype == "U8"
+    assert st.info("language_model.model.layers.0.self_attn.q_conv1d.weight").shape[1] == 1
+    model = load(os.path.join(FIXTURES, "k3"))
+    assert model.layers[1].block_sparse_moe.experts.w1_packed[...].dtype == np.uint8  # no dequantisation
+
+
+# ------------------------------------------------------------------ synthetic + round trips
+def test_committed_tiny_checkpoint_matches_writer(tmp_path):
+    """checkpoints/k3-tiny is exactly what the synthetic writer makes for (k3-tiny, seed 0)."""
+    out = ckpt.write_synthetic_checkpoint(str(tmp_path / "t"), "k3-tiny", seed=0)
+    a, b = SafetensorsFile(os.path.join(out, "model.safetensors")), SafetensorsFile(os.path.join(TINY, "model.safetensors"))
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        np.testing.assert_array_equal(a.read(k), b.read(k), err_msg=k)
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kimi-linear-tiny"])
+def test_synthetic_sharded_roundtrip(tmp_path, preset):
+    src = ckpt.write_synthetic_checkpoint(str(tmp_path / "src"), preset, seed=3, max_shard_bytes=200_000)
+    assert os.path.isfile(os.path.join(src, ckpt.INDEX_FILE))
+    model = load(src)
+    out = ckpt.save_hf_checkpoint(model, str(tmp_path / "out"), ckpt.read_hf_config(src))
+    a, b = ckpt.TensorIndex(src), ckpt.TensorIndex(out)
+    text = [n for n in a.where if not n.startswith(ckpt.SKIPPED_ROOTS)]
+    assert sorted(text) == sorted(b.where)
+    for n in text:
+        assert a.dtype(n) == b.dtype(n) and a.shape(n) == b.shape(n), n
+        np.testing.assert_array_equal(a.read(n), b.read(n), err_msg=n)
+
+
+def test_synthetic_is_deterministic_and_seeded(tmp_path):
+    e1 = {n: p() for n, _, _, p in ckpt.synthetic_entries(ckpt.synthetic_hf_config("k3-tiny"), 1)[:6]}
+    e2 = {n: p() for n, _, _, p in ckpt.synthetic_entries(ckpt.synthetic_hf_config("k3-tiny"), 1)[:6]}
+    e3 = {n: p() for n, _, _, p in ckpt.synthetic_entries(ckpt.synthetic_hf_config("k3-tiny"), 2)[:6]}
+    for n in e1:
+        np.testing.assert_array_equal(e1[n], e2[n])
+    assert any(not np.array_equal(e1[n], e3[n]) for n in e1)
+
+
+def test_load_onto_expert_parallel_mesh():
+    mesh = Mesh(np.array(jax.devices()), ("ep",))
+
+    def rule(path, shape, dtype):
+        return NamedSharding(mesh, PartitionSpec("ep") if "experts" in path else PartitionSpec())
+
+    model, ref = load(TINY, sharding=rule), load(TINY)
+    w = model.layers[1].block_sparse_moe.experts.w1_packed[...]
+    assert w.sharding.spec == PartitionSpec("ep")
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(ref.layers[1].block_sparse_moe.experts.w1_packed[...]))
+    ids = np.arange(1, 9)[None]
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
+
+
+def test_orbax_roundtrip_and_cli(tmp_path):
+    from k3jax.convert import main
+    orb, hf = str(tmp_path / "orb"), str(tmp_path / "hf")
+    assert main(["hf-to-orbax", TINY, orb]) == 0
+    assert main(["hf-to-orbax", TINY, orb]) == 2            # exists, no --overwrite
+    assert main(["orbax-to-hf", orb, hf]) == 0
+    a, b = ckpt.TensorIndex(TINY), ckpt.TensorIndex(hf)
+    for n in b.where:
+        np.testing.assert_array_equal(a.read(n), b.read(n), err_msg=n)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    model, _ = ckpt.restore_orbax(orb, sharding=lambda p, s, d: NamedSharding(
+        mesh, PartitionSpec("ep") if "experts" in p else PartitionSpec()))
+    assert model.layers[1].block_sparse_moe.experts.w2_scale[...].sharding.spec == PartitionSpec("ep")
+    ids = np.arange(1, 7)[None]
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(load(TINY)(ids)))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    entries = ckpt.synthetic_entries(ckpt.synthetic_hf_config("k3-tiny"), 0)
+
+    def boom():
+        raise KeyboardInterrupt
+    entries[10] = (entries[10][0], entries[10][1], entries[10][2], boom)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_hf_checkpoint(str(tmp_path / "x"), {}, entries)
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ strict validation
+@pytest.fixture
+def copy_tiny(tmp_path):
+    def make(shard_bytes=None):
+        d = tmp_path / "c"
+        if shard_bytes:
+            return ckpt.write_synthetic_checkpoint(str(d), "k3-tiny", seed=0, max_shard_bytes=shard_bytes)
+        shutil.copytree(TINY, d)
+        return str(d)
+    return make
+
+
+def _rewrite(path, drop=(), change=None):
+    st = SafetensorsFile(path)
+    tensors = {k: np.array(st.read(k)) for k in st.keys() if k not in drop}
+    if change:
+        tensors.update(change)
+    os.remove(path)
+    save_file(path, tensors)
+
+
+def test_missing_and_unexpected_listed(copy_tiny):
+    d = copy_tiny()
+    f = os.path.join(d, "model.safetensors")
+    gone = "language_model.model.layers.2.self_attn.k_proj.weight"
+    _rewrite(f, drop=[gone], change={"language_model.model.layers.2.extra.weight": np.zeros(3, np.float32)})
+    with pytest.raises(ckpt.CheckpointError) as e:
+        load(d)
+    assert "1 missing tensor(s)" in str(e.value) and gone in str(e.value)
+    assert "1 unexpected tensor(s)" in str(e.value) and "layers.2.extra.weight" in str(e.value)
+
+
+def test_wrong_shape_and_dtype(copy_tiny):
+    d = copy_tiny()
+    f = os.path.join(d, "model.safetensors")
+    st = SafetensorsFile(f)
+    n1 = "language_model.model.layers.2.self_attn.o_proj.weight"
+    n2 = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    _rewrite(f, change={n1: np.zeros((64, 63), np.float32),
+                        n2: np.array(st.read(n2)).astype(np.float32)})
+    with pytest.raises(ckpt.CheckpointError) as e:
+        load(d)
+    msg = str(e.value)
+    assert f"{n1}: wrong shape: expected [64, 64], got [64, 63]" in msg
+    assert f"{n2}: wrong dtype: expected U8" in msg and "got F32" in msg
+
+
+def test_config_weights_mismatch(copy_tiny):
+    d = copy_tiny()
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["text_config"]["num_hidden_layers"] = 8
+    la = cfg["text_config"]["linear_attn_config"]
+    la["full_attn_layers"], la["kda_layers"] = [4, 8], [1, 2, 3, 5, 6, 7]
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ckpt.CheckpointError, match="layers up to 8 but config.json num_hidden_layers is 8"):
+        load(d)
+    with pytest.raises(ckpt.CheckpointError, match="holds MXFP4 experts"):
+        load(TINY, expert_format="bf16")
+
+
+def test_truncated_and_corrupt_files(copy_tiny, tmp_path):
+    d = copy_tiny()
+    f = os.path.join(d, "model.safetensors")
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(SafetensorsError, match="truncated: tensor"):
+        load(d)
+    with open(f, "r+b") as fh:
+        fh.truncate(5)
+    with pytest.raises(SafetensorsError, match="shorter than the 8-byte header"):
+        load(d)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", 4) + b"{xx}")
+    with pytest.raises(SafetensorsError, match="not valid JSON"):
+        SafetensorsFile(str(bad))
+    hdr = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()
+    bad.write_bytes(struct.pack("<Q", len(hdr)) + hdr + bytes(12))
+    with pytest.raises(SafetensorsError, match="overlaps"):
+        SafetensorsFile(str(bad))
+
+
+def test_index_points_at_missing_shard(copy_tiny):
+    d = copy_tiny(shard_bytes=300_000)
+    shard = sorted(f for f in os.listdir(d) if f.startswith("model-"))[1]
+    os.remove(os.path.join(d, shard))
+    with pytest.raises(ckpt.CheckpointError, match=f"points at missing shard '{shard}'"):
+        load(d)
+
+
+# ------------------------------------------------------------------ tokenizer + CLI
+def test_decode_cli_with_checkpoint_and_tiktoken(tmp_path, capsys):
+    pytest.importorskip("tiktoken")
+    from k3jax.decode import main
+    from k3jax.tokenizer import TiktokenTokenizer, tokenizer_for
+    d = tmp_path / "ck"
+    shutil.copytree(TINY, d)
+    assert tokenizer_for(str(d), 512).name == "byte-level fallback"
+    # A tiny BPE ranks file: the 256 bytes plus two merges.
+    ranks = [bytes([i]) for i in range(256)] + [b"th", b"the"]
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    tok = tokenizer_for(str(d), 512)
+    assert isinstance(tok, TiktokenTokenizer)
+    assert tok.encode("the") == [257] and tok.decode([257, 32]) == "the "
+    assert main(["--checkpoint", str(d), "--prompt", "the cat", "--max-new-tokens", "3", "--quiet",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    report = json.load(open(tmp_path / "r.json"))
+    assert report["tokenizer"] == "tiktoken (Kimi)" and report["prompts"][0][0] == 257
+    assert main(["--checkpoint", str(tmp_path / "nope")]) == 2

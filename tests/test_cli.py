@@ -1,0 +1,57 @@
+"""`python -m k3jax.decode`: one real subprocess run, and the error paths in-process (each
+subprocess costs ~10 s of jax import and compilation)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k3jax import decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cli_runs_and_writes_json(tmp_path):
+    out = tmp_path / "run.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "k3jax.decode", "--max-new-tokens", "4", "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "decode tokens/s" in proc.stdout and "bytes / decode step" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["model"]["name"] == "k3-tiny"
+    assert len(report["tokens"]) == 1 and len(report["tokens"][0]) == 4
+    assert report["decode_steps"] == 3 and report["bytes_per_decode_step"] > 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]     # atomic write cleaned up
+
+
+def one_line_error(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith("k3jax.decode: error:"), err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_unknown_preset(capsys):
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--preset", "k4-huge"])
+    assert exc.value.code == 2
+    one_line_error(capsys, "k4-huge", "k3-tiny")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--preset", "kimi-linear-tiny", "--prompt-ids", "1,x,3"], "--prompt-ids must be comma-separated integers"),
+    (["--preset", "kimi-linear-tiny", "--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+    (["--preset", "kimi-linear-tiny", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--preset", "k3-full"], "needs ~"),
+    (["--checkpoint", "/nonexistent/dir"], "does not exist"),
+])
+def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
+    assert decode.main(argv) == 2
+    one_line_error(capsys, needle)

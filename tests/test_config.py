@@ -1,0 +1,152 @@
+"""Config parsing, preset validation errors and parameter counts."""
+
+import copy
+
+import pytest
+
+from k3jax.config import ConfigError, K3Config
+from k3jax.presets import PRESETS, get_preset
+
+
+def k3_text():
+    return copy.deepcopy(PRESETS["k3-full"]["text_config"])
+
+
+def test_k3_full_param_counts():
+    cfg = get_preset("k3-full")
+    assert abs(cfg.param_count() / 2.78e12 - 1) < 0.01          # ~2.78T total
+    assert abs(cfg.active_param_count() / 104e9 - 1) < 0.01      # ~104B active
+    assert cfg.layer_kinds.count("mla") == 24 and cfg.layer_kinds.count("kda") == 69
+    assert cfg.mla_layers[-2:] == (91, 92) and cfg.mla_layers[0] == 3
+    assert cfg.expert_format == "mxfp4" and not cfg.is_moe_layer(0) and cfg.is_moe_layer(92)
+
+
+def test_kimi_linear_48b_param_counts():
+    cfg = get_preset("kimi-linear-48b")
+    assert 48e9 <= cfg.param_count() <= 49.5e9                  # "48B" (49.1B with embeddings)
+    assert 2.8e9 <= cfg.active_param_count() <= 3.4e9          # "A3B"
+    assert cfg.expert_format == "bf16" and not cfg.uses_attn_res and cfg.hidden_act == "silu"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_parses(name):
+    cfg = get_preset(name)
+    assert cfg.name == name and len(cfg.layer_kinds) == cfg.num_hidden_layers
+
+
+def test_tiny_k3_keeps_the_structural_features():
+    cfg = get_preset("k3-tiny")
+    assert not cfg.is_moe_layer(0) and cfg.layer_kinds[-1] == cfg.layer_kinds[-2] == "mla"
+    assert cfg.num_hidden_layers % cfg.attn_res_block_size != 0          # partial final block
+    assert cfg.num_shared_experts == 2 and cfg.moe_hidden_size < cfg.hidden_size
+    assert cfg.kda_gate_lower_bound == -5.0 and cfg.kda_full_rank_gate
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="unknown preset 'k4'.*k3-tiny.*kimi-linear-tiny"):
+        get_preset("k4")
+
+
+def test_unknown_field_is_named():
+    hf = copy.deepcopy(PRESETS["k3-full"])
+    hf["text_config"]["rope_dims_of_doom"] = 3
+    with pytest.raises(ConfigError, match="rope_dims_of_doom"):
+        K3Config.from_hf(hf)
+    hf = copy.deepcopy(PRESETS["k3-full"])
+    hf["wrapper_thing"] = 1
+    with pytest.raises(ConfigError, match="wrapper_thing"):
+        K3Config.from_hf(hf)
+    text = k3_text()
+    text["linear_attn_config"]["chunk"] = 64
+    with pytest.raises(ConfigError, match="linear_attn_config.*chunk"):
+        K3Config.from_hf(text)
+
+
+def test_linear_attn_layers_overlap():
+    text = k3_text()
+    text["linear_attn_config"]["kda_layers"].append(4)
+    with pytest.raises(ConfigError, match=r"layers \[4\] are in both"):
+        K3Config.from_hf(text)
+
+
+def test_linear_attn_layer_missing():
+    text = k3_text()
+    text["linear_attn_config"]["kda_layers"].remove(5)
+    with pytest.raises(ConfigError, match=r"missing \[5\]"):
+        K3Config.from_hf(text)
+
+
+def test_layer_lists_must_match_num_hidden_layers():
+    text = k3_text()
+    text["num_hidden_layers"] = 92
+    with pytest.raises(ConfigError, match=r"linear_attn_config.*out of range \[93\]"):
+        K3Config.from_hf(text)
+
+
+def test_wrong_model_type():
+    text = k3_text()
+    text["model_type"] = "deepseek_v3"
+    with pytest.raises(ConfigError, match="model_type.*'deepseek_v3'"):
+        K3Config.from_hf(text)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "kv_lora_rank", "hidden_act"])
+def test_missing_required_field(field):
+    text = k3_text()
+    del text[field]
+    with pytest.raises(ConfigError, match=f"{field}: required"):
+        K3Config.from_hf(text)
+
+
+def test_missing_linear_attn_config():
+    text = k3_text()
+    del text["linear_attn_config"]
+    with pytest.raises(ConfigError, match="linear_attn_config"):
+        K3Config.from_hf(text)
+
+
+def test_kimi_k3_wrapper_without_text_config():
+    hf = copy.deepcopy(PRESETS["k3-full"])
+    del hf["text_config"]
+    with pytest.raises(ConfigError, match="kimi_k3.*text_config"):
+        K3Config.from_hf(hf)
+
+
+def test_too_many_experts_per_token():
+    text = k3_text()
+    text["num_experts_per_token"] = 897
+    with pytest.raises(ConfigError, match="num_experts_per_token.*897"):
+        K3Config.from_hf(text)
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        get_preset("k3-tiny", num_experts_per_token=17)
+
+
+def test_mxfp4_needs_widths_multiple_of_32():
+    text = k3_text()
+    text["moe_intermediate_size"] = 3000
+    with pytest.raises(ConfigError, match="moe_intermediate_size.*multiple of 32"):
+        K3Config.from_hf(text)
+    with pytest.raises(ConfigError, match="moe_hidden_size.*multiple of 32"):
+        get_preset("k3-tiny", routed_expert_hidden_size=40)
+    # bf16 experts have no such constraint
+    assert get_preset("k3-tiny", expert_format="bf16", routed_expert_hidden_size=40).moe_hidden_size == 40
+
+
+def test_other_validation_errors():
+    with pytest.raises(ConfigError, match="gate_lower_bound"):
+        get_preset("k3-tiny", kda_gate_lower_bound=1.0)
+    with pytest.raises(ConfigError, match="hidden_act"):
+        get_preset("k3-tiny", hidden_act="gelu")
+    text = k3_text()
+    text["mla_use_nope"] = False
+    with pytest.raises(ConfigError, match="mla_use_nope"):
+        K3Config.from_hf(text)
+    with pytest.raises(ConfigError, match="dict"):
+        K3Config.from_hf("config.json")
+
+
+def test_plain_text_config_equals_wrapper():
+    wrapped = K3Config.from_hf(PRESETS["k3-full"], name="x")
+    text = k3_text()
+    text.update(bos_token_id=163584, pad_token_id=163839)
+    assert K3Config.from_hf(text, name="x") == wrapped

@@ -1,0 +1,87 @@
+"""MXFP4 (compressed-tensors mxfp4-pack-quantized): hand-computed values, the NumPy reference,
+round trips, and errors. Dequantisation is exact (every E2M1 value times a power of two is
+representable), so comparisons are exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference_numpy as ref
+from k3jax import mxfp4, ops
+
+
+def test_dequantize_hand_computed():
+    # Row 0, group 0: bytes 0x21 (even col: code 1 = 0.5, odd col: code 2 = 1.0),
+    #                 0x9F (even: code 15 = -6, odd: code 9 = -0.5), 0x70 (0, 6); scale 127 -> x1.
+    # Row 0, group 1: byte 0x4B (even: code 11 = -1.5, odd: code 4 = 2); scale 129 -> x4.
+    # Row 1: bytes 0x86 (4, -0) / 0x35 (3, 1.5); scales 125 -> x1/4 and 128 -> x2.
+    packed = np.zeros((2, 32), np.uint8)
+    packed[0, :3] = [0x21, 0x9F, 0x70]
+    packed[0, 16] = 0x4B
+    packed[1, 0], packed[1, 16] = 0x86, 0x35
+    scale = np.array([[127, 129], [125, 128]], np.uint8)
+    w = np.asarray(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale), jnp.float32))
+    want = np.zeros((2, 64), np.float32)
+    want[0, :6] = [0.5, 1.0, -6.0, -0.5, 0.0, 6.0]
+    want[0, 32:34] = [-1.5 * 4, 2.0 * 4]
+    want[1, 0:2] = [4.0 / 4, -0.0]
+    want[1, 32:34] = [3.0 * 2, 1.5 * 2]
+    np.testing.assert_array_equal(w, want)
+    np.testing.assert_array_equal(ref.mxfp4_dequantize(packed, scale), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dequantize_matches_reference(dtype):
+    packed, scale = mxfp4.random_packed(jax.random.key(0), (3, 8, 96))
+    w = mxfp4.dequantize(packed, scale, dtype)
+    assert w.shape == (3, 8, 96) and w.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(w, np.float64), ref.mxfp4_dequantize(packed, scale))
+
+
+def test_every_code_and_nibble_position():
+    codes = np.arange(16, dtype=np.uint8)
+    packed = (codes[:, None] | (codes[None, ::-1] << 4)).reshape(1, 256)[:, :16]   # 16 bytes, 32 values
+    w = np.asarray(mxfp4.dequantize(jnp.asarray(packed), jnp.full((1, 1), 127, jnp.uint8), jnp.float32))
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6] + [-0.0, -.5, -1, -1.5, -2, -3, -4, -6])
+    np.testing.assert_array_equal(w[0, 0::2], table[packed[0] & 15])
+    np.testing.assert_array_equal(w[0, 1::2], table[packed[0] >> 4])
+
+
+def test_quantize_dequantize_round_trip():
+    """Codes whose 32-groups each contain a +-4 or +-6 use their group's top exponent: exact."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (4, 5, 64)).astype(np.uint8)
+    codes[codes == 8] = 0                                   # -0 re-quantises to +0
+    codes[..., ::32] = rng.choice([6, 7, 14, 15], codes[..., ::32].shape)
+    packed = mxfp4.pack_codes(jnp.asarray(codes))
+    scale = jnp.asarray(rng.integers(100, 140, (4, 5, 2)).astype(np.uint8))
+    p2, s2 = mxfp4.quantize(mxfp4.dequantize(packed, scale, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(p2), np.asarray(packed))
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(mxfp4.unpack_codes(packed)), codes)
+
+
+def test_quantize_rounds_to_nearest():
+    w = jax.random.normal(jax.random.key(1), (16, 128)) * 0.03
+    p, s = mxfp4.quantize(w)
+    deq = ref.mxfp4_dequantize(p, s)
+    wn = np.asarray(w, np.float64)
+    # Per group the grid is E2M1 * 2^e with amax in [4, 8) * 2^e: no grid value is closer.
+    step = np.repeat(np.exp2(np.asarray(s, np.float64) - 127), 32, axis=-1)
+    grid = np.concatenate([ref.E2M1, -ref.E2M1])
+    nearest = np.min(np.abs(wn[..., None] / step[..., None] - grid), axis=-1) * step
+    np.testing.assert_allclose(np.abs(deq - wn), nearest, rtol=0, atol=1e-12)
+    assert np.max(np.abs(deq - wn)) < 0.25 * np.max(np.abs(wn))
+
+
+def test_bad_width_raises():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4.quantize(jnp.ones((4, 48)))
+
+
+def test_expert_weights_gather_dequantises():
+    packed, scale = mxfp4.random_packed(jax.random.key(2), (5, 32, 64))
+    ew = ops.ExpertWeights(packed, packed, packed, scale, scale, scale)
+    w1, _, _ = ew.gather(jnp.array([3, 0]), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(w1, np.float64), ref.mxfp4_dequantize(packed, scale)[[3, 0]])

@@ -1,0 +1,153 @@
+"""Router (ops.route) and the routed-expert combine (ops.moe_experts) against the NumPy reference.
+
+Router outputs are float32 sigmoid/softmax scores: compared at 1e-6 absolute. The expert combine
+in float32 (MXFP4 dequantised exactly) uses 2e-5 of the output scale (width <= 64 dot products);
+in bfloat16 (weights, z and the hidden activations rounded to 8 bits) 3e-2.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference_numpy as ref
+from k3jax import mxfp4, ops
+
+
+def rand(key, *shape, scale=1.0):
+    return np.asarray(jax.random.normal(jax.random.key(key), shape, jnp.float32)) * scale
+
+
+def route(x, w, bias, **kw):
+    kw = {"activation": "sigmoid", "renormalize": True, "scaling": 1.0, **kw}
+    ids, weights = ops.route(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), **kw)
+    return np.asarray(ids), np.asarray(weights)
+
+
+def check_against_reference(x, w, bias, **kw):
+    ids, weights = route(x, w, bias, **kw)
+    want_ids, want_w = ref.route(x.astype(np.float64), w, bias, **{"activation": "sigmoid", **kw})
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, atol=1e-6)
+    return ids, weights
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("scaling", [1.0, 2.446])
+def test_route_matches_reference(activation, scaling):
+    x, w, bias = rand(0, 12, 32), rand(1, 16, 32, scale=0.3), rand(2, 16, scale=0.05)
+    ids, weights = check_against_reference(x, w, bias, top_k=4, activation=activation, renormalize=True,
+                                           scaling=scaling)
+    assert ids.dtype == np.int32 and weights.dtype == np.float32
+    np.testing.assert_allclose(weights.sum(-1), scaling, rtol=1e-6)        # renormalised, then scaled
+    assert all(len(set(r)) == 4 for r in ids)
+
+
+def test_route_without_renormalisation_keeps_plain_scores():
+    x, w, bias = rand(3, 6, 32), rand(4, 8, 32), np.zeros(8, np.float32)
+    ids, weights = check_against_reference(x, w, bias, top_k=3, renormalize=False, scaling=1.5)
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ w.T.astype(np.float64))))
+    np.testing.assert_allclose(weights, 1.5 * np.take_along_axis(scores, ids, 1), atol=1e-6)
+
+
+def test_ties_go_to_the_lower_id_deterministically():
+    w = rand(5, 8, 16)
+    w[5] = w[2] = 3.0 * np.abs(w[2])         # experts 2 and 5 tie, with the best score
+    w[6] = w[1]                              # 1 and 6 tie too
+    x = np.abs(rand(6, 4, 16))
+    bias = np.zeros(8, np.float32)
+    first, _ = route(x, w, bias, top_k=1)
+    assert (first[:, 0] == 2).all()
+    for _ in range(3):
+        again, _ = route(x, w, bias, top_k=8)
+        np.testing.assert_array_equal(again, route(x, w, bias, top_k=8)[0])
+        row = list(again[0])
+        assert row.index(2) < row.index(5) and row.index(1) < row.index(6)
+    check_against_reference(x, w, bias, top_k=8)
+
+
+def test_bias_changes_selection_not_weights():
+    x, w = rand(7, 5, 16), rand(8, 8, 16)
+    none = np.zeros(8, np.float32)
+    bias = none.copy()
+    bias[7] = 10.0                          # expert 7 is always selected, whatever its score
+    ids0, w0 = route(x, w, none, top_k=2)
+    ids1, w1 = check_against_reference(x, w, bias, top_k=2)
+    assert (ids1[:, 0] == 7).all() and not (ids0 == 7).all()
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ w.T.astype(np.float64))))
+    plain = np.take_along_axis(scores, ids1, 1)
+    np.testing.assert_allclose(w1, plain / plain.sum(-1, keepdims=True), atol=1e-6)
+
+
+def test_group_limited_routing():
+    e, groups, keep = 16, 4, 2
+    x, w, bias = rand(9, 20, 32), rand(10, e, 32), rand(11, e, scale=0.05)
+    ids, _ = check_against_reference(x, w, bias, top_k=4, n_group=groups, topk_group=keep)
+    assert all(len(set(r // (e // groups))) <= keep for r in ids)
+    ungrouped, _ = route(x, w, bias, top_k=4)
+    assert (ids != ungrouped).any()            # the group limit did change some choices
+
+
+# ------------------------------------------------------------------ routed-expert combine
+ACT = dict(act="situ", beta=4.0, linear_beta=25.0)
+moe_experts = jax.jit(ops.moe_experts, static_argnames=("act", "beta", "linear_beta", "expert_chunk"))
+
+
+def experts(fmt, key, e=16, i=32, m=64, dtype=jnp.float32):
+    if fmt == "mxfp4":
+        ks = jax.random.split(jax.random.key(key), 3)
+        (p1, s1), (p3, s3) = mxfp4.random_packed(ks[0], (e, i, m), -4), mxfp4.random_packed(ks[1], (e, i, m), -4)
+        p2, s2 = mxfp4.random_packed(ks[2], (e, m, i), -4)
+        ew = ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
+        dense = [ref.mxfp4_dequantize(p, s) for p, s in ((p1, s1), (p3, s3), (p2, s2))]
+    else:
+        ws = [jnp.asarray(rand(key + j, *shape, scale=0.15), dtype) for j, shape in
+              enumerate([(e, i, m), (e, i, m), (e, m, i)])]
+        ew = ops.ExpertWeights(*ws)
+        dense = [np.asarray(a, np.float64) for a in ws]
+    return ew, dense
+
+
+class _Cfg:
+    hidden_act, activation_situ_beta, activation_situ_linear_beta = "situ", 4.0, 25.0
+
+
+def random_routing(key, n, k, e):
+    ids = np.stack([np.random.default_rng(key + r).permutation(e)[:k] for r in range(n)]).astype(np.int32)
+    weights = np.abs(rand(key, n, k)) + 0.1
+    return ids, weights
+
+
+@pytest.mark.parametrize("fmt,n,chunk,dtype", [
+    ("mxfp4", 5, 64, jnp.float32),      # few tokens, one chunk
+    ("mxfp4", 40, 3, jnp.float32),      # all 16 experts touched, 6 chunks of 3 (last partial)
+    ("bf16", 40, 4, jnp.float32),
+    ("bf16", 24, 5, jnp.bfloat16),
+    ("mxfp4", 24, 64, jnp.bfloat16),
+])
+def test_moe_experts_matches_per_token_loop(fmt, n, chunk, dtype):
+    ew, dense = experts(fmt, 20, dtype=dtype)
+    ids, weights = random_routing(21, n, 4, 16)
+    z = jnp.asarray(rand(22, n, 64), dtype)
+    got = moe_experts(z, jnp.asarray(ids), jnp.asarray(weights), ew, expert_chunk=chunk, **ACT)
+    assert got.dtype == dtype and got.shape == (n, 64)
+    want = ref.experts_loop(_Cfg, np.asarray(z, np.float64), ids, weights, *dense)
+    got = np.asarray(got, np.float64)
+    err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+    assert err < (2e-5 if dtype == jnp.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_moe_experts_all_tokens_on_one_expert(chunk):
+    ew, dense = experts("mxfp4", 30)
+    n = 9
+    ids = np.stack([np.full(n, 11), np.arange(n)], 1).astype(np.int32)   # slot 0 always expert 11
+    weights = np.abs(rand(31, n, 2)) + 0.1
+    z = rand(32, n, 64)
+    got = moe_experts(jnp.asarray(z), jnp.asarray(ids), jnp.asarray(weights), ew, expert_chunk=chunk, **ACT)
+    want = ref.experts_loop(_Cfg, z.astype(np.float64), ids, weights, *dense)
+    assert np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want)) < 2e-5
+    only = np.full((n, 1), 11, np.int32)
+    got1 = moe_experts(jnp.asarray(z), jnp.asarray(only), jnp.ones((n, 1)), ew, expert_chunk=chunk, **ACT)
+    want1 = ref.experts_loop(_Cfg, z.astype(np.float64), only, np.ones((n, 1)), *dense)
+    assert np.max(np.abs(np.asarray(got1) - want1)) / np.max(np.abs(want1)) < 2e-5
