@@ -1,6 +1,21 @@
-"""Benchmarks on the GPU.
+"""Benchmarks: per-op kernels and whole-model decode steps, side by side; the report that tabulates them.
 
+    python -m k3jax.bench --model --preset k3-h200 [--backends xla,pallas,cute] [--batches 1,8,64]
+                          [--contexts 1024,8192,32768] [--expert-formats mxfp4,bf16] [--mesh ep=2
+                          --ep-variants allgather,ragged] [--out PATH]
     python -m k3jax.bench --ops [NAME ...] [--batches 1,8,32,128] [--backends xla,pallas] [--out PATH]
+    python -m k3jax.bench --report benchmarks/results/*.json [--update docs/bench.md]
+
+`--model`: the jitted decode step of `k3jax.generation` (one token per sequence, greedy) for
+every backend x fusion granularity x batch x context. The decode state is built directly at
+`lengths = context` with random contents (timing does not depend on the values; no prefill runs)
+and preallocated for context + the timed steps, as `generate` would. Per point: compile time;
+step latency median / p90 over steps each synced with block_until_ready; back-to-back step time
+(what `generate` runs: no host sync), from which tokens/s and the bandwidth-roofline fraction
+(k3jax.costs.decode_step_bytes / step time / measured copy bandwidth) follow; on a GPU the sum of
+the step's kernel durations (CUPTI) too, so launch gaps show. Points the device cannot hold are
+skipped with a line saying why, as are granularities that do not exist yet; nothing crashes the
+sweep. Writes JSON (schema in docs/bench.md), a Markdown table and PNG plots beside it.
 
 `--ops`: per-op device time at real K3 shapes (each op's "k3" cases in pallas_kernels; `--sizes
 small` runs the small CI shapes instead, for a smoke run anywhere), for
@@ -10,11 +25,17 @@ against the reference before it is timed. Times are the sum of the op's GPU kern
 (CUPTI, as jax.experimental.mosaic.gpu.profiler does), median over rounds; inputs rotate over
 enough copies that they do not fit in the 60 MB L2. Wall-clock per call (launch gaps
 included) is recorded too. Results go to a JSON file (default benchmarks/results/ops-<date>.json).
+
+`--report`: one Markdown summary of any number of result files (model rows from --model and from
+benchmarks/torch_reference.py, ops rows from --ops); `--update FILE` rewrites the block between
+`<!-- bench-results:begin -->` and `<!-- bench-results:end -->` in FILE, plots beside the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -136,37 +157,521 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 def summary_table(result: dict) -> str:
-    """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend."""
+    """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend (every
+    backend present, xla first; torch rows from benchmarks/torch_reference.py --ops included),
+    and the best kernel's speedup over XLA."""
     by_case: dict[tuple, dict] = {}
     for r in result["rows"]:
         if "device_s" not in r:
             continue
         by_case.setdefault((r["op"], r["case"], r["batch"]), {})[r["backend"]] = r
-    lines = ["| op | case | batch | MB | xla us | xla TB/s (% copy) | pallas us | pallas TB/s (% copy) | speedup |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    backends = sorted({b for rs in by_case.values() for b in rs}, key=lambda b: (b != "xla", b))
+    head = "| op | case | batch | MB | " + " | ".join(f"{b} us (TB/s, % copy)" for b in backends) + " | best vs xla |"
+    lines = [head, "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: |"]
     for (op, case, b), rs in by_case.items():
-        x, p = rs.get("xla"), rs.get("pallas")
-        cell = lambda r: (f"{r['device_s'] * 1e6:.1f}", f"{r['tb_per_s']:.2f} ({r['frac_copy_bw']:.0%})") if r else ("-", "-")  # noqa: E731
-        sp = f"{x['device_s'] / p['device_s']:.2f}x" if x and p else "-"
-        lines.append(f"| {op} | {case} | {b} | {(x or p)['bytes'] / 1e6:.1f} | {' | '.join(cell(x))} | "
-                     f"{' | '.join(cell(p))} | {sp} |")
+        cells = [f"{rs[k]['device_s'] * 1e6:.1f} ({rs[k]['tb_per_s']:.2f}, {rs[k]['frac_copy_bw']:.0%})"
+                 if k in rs else "-" for k in backends]
+        x = rs.get("xla")
+        others = [r["device_s"] for k, r in rs.items() if k != "xla"]
+        sp = f"{x['device_s'] / min(others):.2f}x" if x and others else "-"
+        lines.append(f"| {op} | {case} | {b} | {next(iter(rs.values()))['bytes'] / 1e6:.1f} | "
+                     f"{' | '.join(cells)} | {sp} |")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ whole-model decode
+# Fusion granularities, finest first. A granularity is data: which decode ops may run a backend's
+# kernels. A sub-layer op covers a whole sub-layer in one call (gated_mlp: the dense MLP and the
+# shared experts); "per-op" runs every other kernel but keeps sub-layers as separate XLA ops.
+GRANULARITIES = ("xla-ops", "per-op", "fused-sublayer", "layer-megakernel", "step-megakernel")
+SUBLAYER_OPS = ("gated_mlp",)
+NOT_IMPLEMENTED = {
+    "layer-megakernel": "no layer megakernel in k3jax yet (nor its grid-barrier vs counter ablation)",
+    "step-megakernel": "no step megakernel in k3jax yet (nor its grid-barrier vs counter ablation)",
+}
+DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
+DEFAULT_CONTEXTS = "1024,8192,32768"
+STATE_NOTE = ("decode state built at lengths = context with random contents (no prefill); preallocated for "
+              "context + the timed steps, as generate would")
+
+
+def granularity_plan(backend: str, granularity: str):
+    """The KernelPlan running `backend` at `granularity`, or a string saying why there is none."""
+    from k3jax.backend import XLA, KernelPlan
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose from {', '.join(GRANULARITIES)}")
+    if granularity in NOT_IMPLEMENTED:
+        return NOT_IMPLEMENTED[granularity]
+    if backend == "xla":
+        return XLA if granularity == "xla-ops" else "the xla backend runs XLA ops only"
+    if granularity == "xla-ops":
+        return f"xla-ops is the xla backend, not {backend}"
+    full = KernelPlan.for_backend(backend)
+    if granularity == "per-op":
+        plan = KernelPlan.for_backend(backend, **{op: "xla" for op in SUBLAYER_OPS})
+        return plan if plan != XLA else f"{backend} has no kernel for any decode op in this install"
+    if all(full.describe()[op] == "xla" for op in SUBLAYER_OPS):
+        return f"no fused sub-layer kernel ({', '.join(SUBLAYER_OPS)}) in {backend} yet"
+    return full
+
+
+def sweep_configs(backends: list[str], granularities: list[str]) -> list[tuple[str, str]]:
+    """(backend, granularity) pairs that make sense: xla at xla-ops, kernel backends at the rest."""
+    out = [("xla", "xla-ops")] if "xla" in backends and "xla-ops" in granularities else []
+    return out + [(b, g) for b in backends if b != "xla" for g in granularities if g != "xla-ops"]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "context", "dtype"))
+def _random_state(cfg, batch: int, max_len: int, context: int, key, dtype):
+    """A DecodeState at lengths = context with random contents. Each leaf is drawn for one
+    sequence and broadcast over the batch (timing does not depend on the values, and this keeps
+    the float32 temporary to one sequence's share)."""
+    from k3jax import sharding
+    from k3jax.cache import DecodeState, init_state
+    shapes = jax.eval_shape(lambda: init_state(cfg, 1, max_len, dtype))
+    leaves, treedef = jax.tree.flatten(shapes.layers)
+    keys = jax.random.split(key, len(leaves))
+    filled = [jnp.broadcast_to((0.05 * jax.random.normal(k, x.shape[1:], jnp.float32)).astype(x.dtype),
+                               (batch,) + x.shape[1:]) for k, x in zip(keys, leaves)]
+    state = DecodeState(lengths=jnp.full((batch,), context, jnp.int32), layers=treedef.unflatten(filled))
+    return sharding.constrain_state(state)
+
+
+def _fits(cfg, batch: int, max_len: int, dtype, n_devices: int) -> str | None:
+    """Why the decode state of `batch` x `max_len` will not fit next to the weights, or None."""
+    from k3jax.cache import state_bytes
+    from k3jax.weights import device_memory_bytes
+    itemsize = jnp.dtype(dtype).itemsize
+    # The state is updated in place (donated); logits [B, V] float32 and the sampling temporaries
+    # are the largest activations.
+    need = state_bytes(cfg, batch, max_len, itemsize) + 4 * batch * cfg.vocab_size * 4
+    free = device_memory_bytes()
+    if free is not None and need / n_devices > 0.9 * free:
+        return (f"needs ~{need / n_devices / 2**30:.1f} GiB per device for the decode state (batch {batch}, "
+                f"{max_len} positions) and logits, but ~{free / 2**30:.1f} GiB is free beside the weights")
+    return None
+
+
+def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup: int = 3,
+                     seed: int = 0) -> dict:
+    """Times `k3jax.generation._decode_step` (the step `generate` runs) at `batch` x `context`.
+
+    Returns compile_s; latency_s_median / latency_s_p90 (each step synced with
+    block_until_ready); step_s (steps issued back to back, one sync at the end: the rate
+    `generate` decodes at); kernel_s (GPU: CUPTI sum of the step's kernel durations, else None).
+    Run it under the model's mesh when the model is sharded.
+    """
+    import numpy as np
+    from flax import nnx
+
+    from k3jax import sharding
+    from k3jax.generation import SamplingParams, _decode_step
+    cfg = model.cfg
+    on_gpu = jax.default_backend() == "gpu"
+    total = warmup + (3 if on_gpu else 2) * steps
+    max_len = context + total + 1
+    graphdef, params = nnx.split(model)
+    key = jax.random.key(seed)
+    state = _random_state(cfg, batch, max_len, context, key, model.dtype)
+    out = jax.random.randint(key, (batch, total + 1), 0, cfg.vocab_size, jnp.int32)
+    done = jnp.zeros((batch,), bool)
+    mesh = sharding.model_mesh(model)
+    if mesh is not None:
+        out = jax.device_put(out, sharding.batch_sharding(mesh, out.shape))
+        done = jax.device_put(done, sharding.batch_sharding(mesh, done.shape))
+    stop_ids, pad_id = jnp.asarray([-1], jnp.int32), 0
+    t0 = time.perf_counter()
+    step_fn = _decode_step.lower(graphdef, params, state, out, done, 0, key, stop_ids, pad_id,
+                                 sampling=SamplingParams()).compile()
+    compile_s = time.perf_counter() - t0
+    i = 0
+
+    def advance(_=None):
+        nonlocal state, out, done, i
+        state, out, done = step_fn(params, state, out, done, i, key, stop_ids, pad_id)
+        i += 1
+        return out
+
+    for _ in range(warmup):
+        jax.block_until_ready(advance())
+    lat = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(advance())
+        lat.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        advance()
+    jax.block_until_ready(out)
+    step_s = (time.perf_counter() - t0) / steps
+    kernel_ms = _kernel_ms(advance, steps) if on_gpu else None
+    return {"compile_s": compile_s, "steps": steps, "latency_s_median": float(np.median(lat)),
+            "latency_s_p90": float(np.percentile(lat, 90)), "step_s": step_s,
+            "kernel_s": kernel_ms * 1e-3 / steps if kernel_ms else None}
+
+
+def _is_oom(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or isinstance(e, MemoryError)
+
+
+def bench_model(preset: str, backends: list[str], granularities: list[str], batches: list[int],
+                contexts: list[int], *, expert_formats: list[str | None] = (None,), dtype: str = "bfloat16",
+                mesh: str | None = None, ep_variants: list[str] = ("auto",), steps: int = 32, warmup: int = 3,
+                seed: int = 0, on_row=None, log=print, progress: bool = True, command: str = "") -> dict:
+    """The whole-model sweep; returns {"meta": ..., "rows": [...]} (schema: docs/bench.md).
+
+    `on_row(result)` is called after every row (e.g. to save partial results).
+    """
+    from tqdm.auto import tqdm
+
+    import k3jax
+    from k3jax import costs, sharding
+    from k3jax.weights import parse_dtype
+    configs = sweep_configs(backends, granularities)
+    dev = jax.devices()[0]
+    rows: list[dict] = []
+    result = {"meta": {"kind": "model", "preset": preset, "device": dev.device_kind, "platform": dev.platform,
+                       "n_devices": 1, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "command": command, "dtype": dtype, "steps": steps, "warmup": warmup,
+                       "copy_bandwidth": None, "state": STATE_NOTE, "timer": "wall (CUPTI kernel sum on GPU)"},
+              "rows": rows}
+    bar = tqdm(total=len(expert_formats) * len(ep_variants) * len(configs) * len(batches) * len(contexts),
+               desc="bench", unit="pt", disable=not progress, file=sys.stderr)
+    say = (lambda s: tqdm.write(s, file=sys.stderr)) if progress else log
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if row["status"] != "ok":
+            where = f"batch {row['batch']} context {row['context']}: " if row.get("batch") else ""
+            say(f"skip {row['backend']}/{row['granularity']} ({row['expert_format']}): {where}{row['reason']}")
+        if on_row:
+            on_row(finalize(result))
+
+    for fmt in expert_formats:
+        base = {"preset": os.path.basename(preset.rstrip("/")), "device": dev.device_kind, "expert_format": fmt,
+                "mesh": mesh}
+        try:
+            model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
+                                          **({"expert_format": fmt} if fmt else {}))
+        except (MemoryError, ValueError) as e:
+            for variant in ep_variants:
+                for backend, gran in configs:
+                    add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
+                         "context": None, "status": "skipped", "reason": f"model not built: {e}"})
+            bar.update(len(ep_variants) * len(configs) * len(batches) * len(contexts))
+            continue
+        cfg = model.cfg
+        base["expert_format"] = cfg.expert_format
+        model_mesh = sharding.model_mesh(model)
+        n_dev = model_mesh.size if model_mesh is not None else 1
+        bw = costs.copy_bandwidth(dev)
+        result["meta"].update(copy_bandwidth=bw, n_devices=n_dev, config=cfg.name)
+        result["meta"].setdefault("param_bytes", {})[cfg.expert_format] = sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
+        ctx = jax.set_mesh(model_mesh) if model_mesh is not None else contextlib.nullcontext()
+        with ctx:
+            for variant in ep_variants:
+                if model_mesh is not None:
+                    sharding.set_ep_variant(model, variant)
+                for backend, gran in configs:
+                    head = {**base, "ep_variant": variant if model_mesh is not None else None,
+                            "backend": backend, "granularity": gran}
+                    plan = granularity_plan(backend, gran)
+                    if isinstance(plan, str):
+                        add({**head, "batch": None, "context": None, "status": "unavailable", "reason": plan})
+                        bar.update(len(batches) * len(contexts))
+                        continue
+                    model.plan = plan
+                    head["kernels"] = {op: impl for op, impl in plan.describe().items() if impl != "xla"}
+                    for context in contexts:
+                        for batch in batches:
+                            bar.set_postfix_str(f"{backend}/{gran} b{batch} c{context}")
+                            add(_bench_point(model, head, batch, context, steps, warmup, seed, bw * n_dev, n_dev))
+                            bar.update()
+        del model
+    bar.close()
+    return finalize(result)
+
+
+def _bench_point(model, head: dict, batch: int, context: int, steps: int, warmup: int, seed: int,
+                 bandwidth: float, n_dev: int) -> dict:
+    """One row: time the step, or say why not (never raises for a device limit)."""
+    from k3jax import costs
+    cfg = model.cfg
+    row = {**head, "batch": batch, "context": context}
+    if batch % n_dev:
+        return {**row, "status": "skipped", "reason": f"batch {batch} does not divide over {n_dev} devices"}
+    max_len = context + warmup + 3 * steps + 1
+    if max_len > cfg.max_position_embeddings:
+        return {**row, "status": "skipped",
+                "reason": f"context {context} exceeds max_position_embeddings {cfg.max_position_embeddings}"}
+    why = _fits(cfg, batch, max_len, model.dtype, n_dev)
+    if why:
+        return {**row, "status": "skipped", "reason": why}
+    try:
+        t = time_decode_step(model, batch, context, steps=steps, warmup=warmup, seed=seed)
+    except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
+        status = "skipped" if _is_oom(e) else "error"
+        return {**row, "status": status, "reason": f"{'out of memory: ' if status == 'skipped' else ''}"
+                                                   f"{type(e).__name__}: {str(e)[:300]}"}
+    moved = costs.decode_step_bytes(cfg, batch, context, jnp.dtype(model.dtype).itemsize)
+    return {**row, "status": "ok", **t, "tokens_per_s": batch / t["step_s"], "bytes_per_step": moved["total"],
+            "bytes": moved, "achieved_Bps": moved["total"] / t["step_s"],
+            "roofline_fraction": moved["total"] / t["step_s"] / bandwidth}
+
+
+def _match_key(r: dict) -> tuple:
+    return (r.get("preset"), r.get("run"), r.get("expert_format"), r.get("mesh"), r.get("ep_variant"),
+            r.get("batch"), r.get("context"))
+
+
+def finalize(result: dict) -> dict:
+    """Fills speedup_vs_xla of every ok row from the xla-ops row of the same point (None if absent)."""
+    xla = {_match_key(r): r["step_s"] for r in result["rows"]
+           if r.get("status") == "ok" and r.get("backend") == "xla" and r.get("granularity") == "xla-ops"}
+    for r in result["rows"]:
+        if r.get("status") == "ok":
+            ref = xla.get(_match_key(r))
+            r["speedup_vs_xla"] = ref / r["step_s"] if ref else None
+    return result
+
+
+# ------------------------------------------------------------------ report: tables and plots
+REPORT_BEGIN, REPORT_END = "<!-- bench-results:begin -->", "<!-- bench-results:end -->"
+
+
+def _from_decode_sweep(data: dict, run: str) -> list[dict]:
+    """Rows of the retired benchmarks/decode_sweep.py format (wall-clock step_ms, no percentiles).
+    `run` (the file name) tells apart versions of the same point; speedups compare within a run."""
+    rows = []
+    for r in data["rows"]:
+        step_s = r["step_ms"] * 1e-3
+        rows.append({"preset": data["preset"], "run": run, "expert_format": None, "mesh": None, "ep_variant": None,
+                     "backend": data["backend"], "granularity": "xla-ops" if data["backend"] == "xla" else "per-op",
+                     "batch": r["batch"], "context": None, "status": "ok", "step_s": step_s,
+                     "latency_s_median": None, "latency_s_p90": None, "tokens_per_s": r["tokens_per_s"],
+                     "bytes_per_step": r["bytes_per_step"], "roofline_fraction": r["roofline_fraction"],
+                     "device": data.get("device")})
+    return rows
+
+
+def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
+    """Reads result files -> ({"model": rows, "device": ...} merged over files, [ops results])."""
+    model_rows, ops_results, devices = [], [], []
+    for path in paths:
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                log(f"{path}: not JSON ({e}); skipped")
+                continue
+        kind = data.get("meta", {}).get("kind") if isinstance(data, dict) else None
+        if kind == "model":
+            devices.append(data["meta"].get("device"))
+            model_rows += [{"device": data["meta"].get("device"), **r} for r in data["rows"]]
+        elif kind == "ops":
+            ops_results.append(data)
+        elif isinstance(data, dict) and {"preset", "backend", "rows"} <= set(data):
+            devices.append(data.get("device"))
+            model_rows += _from_decode_sweep(data, os.path.splitext(os.path.basename(path))[0])
+        else:
+            log(f"{path}: not a k3jax.bench result (kind {kind!r}); skipped")
+    merged = finalize({"rows": model_rows})
+    return {"rows": merged["rows"], "devices": sorted({d for d in devices if d})}, ops_results
+
+
+def _fmt(x, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def model_table(rows: list[dict]) -> str:
+    """Markdown: one line per measured point, then the points not run and why."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    ok.sort(key=lambda r: (r["preset"], str(r.get("run")), str(r.get("expert_format")), str(r.get("ep_variant")),
+                           r.get("context") or 0, r["batch"], r["backend"] != "xla", r["backend"],
+                           GRANULARITIES.index(r["granularity"]) if r["granularity"] in GRANULARITIES else 9))
+    lines = ["| preset | device | experts | backend / granularity | batch | context | tok/s | step ms "
+             "| latency ms p50 / p90 | GB/step | roofline | vs XLA |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in ok:
+        variant = f" ({r['ep_variant']})" if r.get("ep_variant") else ""
+        lat = (f"{_fmt(r.get('latency_s_median'), '.2f', 1e3)} / {_fmt(r.get('latency_s_p90'), '.2f', 1e3)}")
+        sp = r.get("speedup_vs_xla")
+        lines.append(
+            f"| {r['preset']}{' (' + r['run'] + ')' if r.get('run') else ''} | {r.get('device') or '-'} | {r.get('expert_format') or '-'}{variant} | "
+            f"{r['backend']} / {r['granularity']} | {r['batch']} | {r.get('context') or '-'} | "
+            f"{r['tokens_per_s']:,.1f} | {r['step_s'] * 1e3:.2f} | {lat} | {r['bytes_per_step'] / 1e9:.3f} | "
+            f"{r['roofline_fraction']:.1%} | {'-' if sp is None else f'{sp:.2f}x'} |")
+    if not ok:
+        lines.append("| (no measured points) | | | | | | | | | | | |")
+    skipped: dict[str, int] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            key = f"{r['preset']} {r['backend']} / {r['granularity']}: {r['status']}: {r.get('reason')}"
+            skipped[key] = skipped.get(key, 0) + 1
+    if skipped:
+        lines += ["", "Not run:"] + [f"- {k}" + (f" ({n} points)" if n > 1 else "") for k, n in skipped.items()]
+    return "\n".join(lines)
+
+
+def write_plots(rows: list[dict], prefix: str, log=print) -> list[str]:
+    """Per preset: fraction of the bandwidth roofline and tokens/s vs batch, one line per
+    backend / granularity / context. PNGs `<prefix>-<preset>.png`, written atomically."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plots skipped: matplotlib is not installed (pip install -e .[notebooks])")
+        return []
+    ok = [r for r in rows if r.get("status") == "ok"]
+    paths = []
+    for preset in sorted({r["preset"] for r in ok}):
+        mine = [r for r in ok if r["preset"] == preset]
+        fig, (ax_roof, ax_tok) = plt.subplots(1, 2, figsize=(12, 4.5))
+        series: dict[tuple, list[dict]] = {}
+        for r in mine:
+            label = (r["backend"], r["granularity"], r.get("expert_format") or r.get("run"), r.get("ep_variant"),
+                     r.get("context"))
+            series.setdefault(label, []).append(r)
+        styles = ["-", "--", ":", "-."]
+        contexts = sorted({r.get("context") or 0 for r in mine})
+        for (backend, gran, fmt, variant, context), rs in sorted(series.items(), key=lambda kv: str(kv[0])):
+            rs.sort(key=lambda r: r["batch"])
+            b = [r["batch"] for r in rs]
+            name = f"{backend}/{gran}" + (f" {fmt}" if fmt else "") + (f" {variant}" if variant else "") + (
+                f" ctx {context}" if context else "")
+            ls = styles[contexts.index(context or 0) % len(styles)]
+            ax_roof.plot(b, [100 * r["roofline_fraction"] for r in rs], ls, marker="o", label=name)
+            ax_tok.plot(b, [r["tokens_per_s"] for r in rs], ls, marker="o", label=name)
+        for ax, title in ((ax_roof, "% of bandwidth roofline"), (ax_tok, "tokens/s")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_title(f"{preset}: {title}")
+            ax.grid(True, alpha=0.3)
+        ax_tok.set_yscale("log")
+        ax_tok.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = f"{prefix}-{preset}.png"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
+        os.close(fd)
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def report_markdown(paths: list[str], plot_prefix: str | None, link_dir: str | None = None, log=print) -> str:
+    """The Markdown block for a set of result files (model table, plots, ops tables)."""
+    model, ops_results = load_results(paths, log)
+    parts = [f"Generated by `python -m k3jax.bench --report` from: "
+             f"{', '.join('`' + os.path.relpath(p) + '`' for p in paths)}.", ""]
+    if model["rows"]:
+        parts += ["### Whole-model decode step", "", model_table(model["rows"]), ""]
+        for png in write_plots(model["rows"], plot_prefix, log) if plot_prefix else []:
+            rel = os.path.relpath(png, link_dir) if link_dir else png
+            parts += [f"![{os.path.basename(png)}]({rel})", ""]
+    for res in ops_results:
+        m = res["meta"]
+        parts += [f"### Per-op kernels ({m.get('device')}, {m.get('date')}, copy bandwidth "
+                  f"{m.get('copy_bandwidth', 0) / 1e12:.2f} TB/s)", "", summary_table(res), ""]
+    if len(parts) == 2:
+        parts.append("(no benchmark results yet)")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def update_doc(doc: str, block: str) -> None:
+    """Replaces the text between REPORT_BEGIN and REPORT_END in `doc` (atomically)."""
+    with open(doc) as f:
+        text = f.read()
+    if REPORT_BEGIN not in text or REPORT_END not in text:
+        raise ValueError(f"{doc} has no '{REPORT_BEGIN}' ... '{REPORT_END}' block to update")
+    pre, rest = text.split(REPORT_BEGIN, 1)
+    _, post = rest.split(REPORT_END, 1)
+    _atomic_write(doc, f"{pre}{REPORT_BEGIN}\n{block}{REPORT_END}{post}")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"error: {flag} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"error: {flag} needs positive integers, got {text!r}")
+    return vals
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--model", action="store_true", help="whole-model decode step sweep")
     mode.add_argument("--ops", nargs="*", metavar="NAME", help="per-op benchmark (default: every op with a kernel)")
-    p.add_argument("--batches", default="1,8,32,128")
-    p.add_argument("--backends", default="xla,pallas")
-    p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="small: a CPU smoke run")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ops-<date>.json)")
+    mode.add_argument("--report", nargs="+", metavar="JSON", help="Markdown table + plots from result files")
+    p.add_argument("--preset", default="k3-tiny", help="--model: preset name or checkpoint directory")
+    p.add_argument("--batches", default=None, help=f"default: --model {DEFAULT_BATCHES}; --ops 1,8,32,128")
+    p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="--model: cached tokens per sequence")
+    p.add_argument("--backends", default=None, help="default: --model xla,pallas,cute; --ops xla,pallas")
+    p.add_argument("--granularities", default=",".join(GRANULARITIES))
+    p.add_argument("--expert-formats", default=None, help="--model ablation, e.g. mxfp4,bf16 (default: the preset's)")
+    p.add_argument("--mesh", default=None, help="--model: device mesh, e.g. ep=2 (k3jax.sharding)")
+    p.add_argument("--ep-variants", default="auto", help="--model with --mesh: expert dispatch variants to compare")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops small: a CPU smoke run")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json)")
+    p.add_argument("--update", default=None, help="--report: rewrite the results block of this Markdown file")
+    p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
+    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    # Before the first device use: the state of large sweeps needs most of the GPU (as generate would).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if a.report:
+        missing = [f for f in a.report if not os.path.exists(f)]
+        if missing:
+            print(f"error: no such result file(s): {', '.join(missing)}", file=sys.stderr)
+            return 2
+        prefix = a.plots or os.path.join(os.path.dirname(a.report[0]) or ".", "plots", "report")
+        link_dir = os.path.dirname(os.path.abspath(a.update)) if a.update else None
+        block = report_markdown(a.report, prefix, link_dir, log=lambda s: print(s, file=sys.stderr))
+        if a.update:
+            update_doc(a.update, block)
+            print(f"updated {a.update}", file=sys.stderr)
+        print(block)
+        return 0
     if jax.default_backend() != "gpu":
-        print("warning: no GPU; timings measure the interpreter, not kernels", file=sys.stderr)
+        print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
+              file=sys.stderr)
+    if a.model:
+        grans = a.granularities.split(",")
+        bad = [g for g in grans if g not in GRANULARITIES]
+        if bad:
+            print(f"error: unknown granularity {bad}; choose from {', '.join(GRANULARITIES)}", file=sys.stderr)
+            return 2
+        out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
+        save = lambda res: _atomic_write(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
+        result = bench_model(a.preset, (a.backends or "xla,pallas,cute").split(","), grans,
+                             _ints(a.batches or DEFAULT_BATCHES, "--batches"), _ints(a.contexts, "--contexts"),
+                             expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
+                             dtype=a.dtype, mesh=a.mesh, ep_variants=a.ep_variants.split(","), steps=a.steps,
+                             warmup=a.warmup, on_row=save, progress=not a.no_progress,
+                             command="python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv))
+        save(result)
+        stem = out[:-5] if out.endswith(".json") else out
+        table = model_table(result["rows"])
+        _atomic_write(stem + ".md", table + "\n")
+        plots = write_plots(result["rows"], stem)
+        print(table)
+        print(f"results: {out}, {stem}.md" + "".join(f", {q}" for q in plots))
+        return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
     ops = a.ops or list(REFERENCES)
-    result = bench_ops(ops, a.backends.split(","), {int(b) for b in a.batches.split(",")}, a.sizes)
-    out = a.out or f"benchmarks/results/ops-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    result = bench_ops(ops, (a.backends or "xla,pallas").split(","),
+                       set(_ints(a.batches or "1,8,32,128", "--batches")), a.sizes)
+    out = a.out or f"benchmarks/results/ops-{stamp}.json"
     _atomic_write(out, json.dumps(result, indent=1))
     print(summary_table(result))
     print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")

@@ -38,6 +38,16 @@ def _pow2(exponent_field: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(exponent_field.astype(jnp.uint32) << 23, jnp.float32)
 
 
+def code_values(codes: jax.Array) -> jax.Array:
+    """FP4 codes (any integer dtype, values 0..15) -> their E2M1 values in float32, unscaled.
+
+    Shared by `dequantize` and the Pallas MXFP4 kernels (which decode in registers).
+    """
+    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+    magnitude = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e.astype(jnp.uint32) + 126))
+    return jnp.where(codes >= 8, -magnitude, magnitude)
+
+
 def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype.
 
@@ -46,10 +56,7 @@ def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.A
     e, mantissa m) is m/2 for e = 0 and (1 + m/2) * 2^(e-1) otherwise; multiplying by the
     power-of-two scale is exact in float32 for scale codes 1..254.
     """
-    codes = unpack_codes(packed)
-    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
-    magnitude = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e.astype(jnp.uint32) + 126))
-    value = jnp.where(codes >= 8, -magnitude, magnitude)
+    value = code_values(unpack_codes(packed))
     grouped = value.reshape(*value.shape[:-1], scale.shape[-1], GROUP) * _pow2(scale)[..., None]
     return grouped.reshape(value.shape).astype(dtype)
 

@@ -90,9 +90,13 @@ def short_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
     """
     k = weight.shape[-1]
     t = window.shape[1] - (k - 1)
-    w = window.astype(f32)
-    y = sum(w[:, j:j + t, :] * weight[:, j].astype(f32) for j in range(k))
-    return jax.nn.silu(y)
+    return conv_taps(tuple(window[:, j:j + t, :] for j in range(k)), tuple(weight[:, j] for j in range(k)))
+
+
+def conv_taps(taps, weights) -> jax.Array:
+    """silu(sum_j taps[j] * weights[j]) in float32: the short conv's formula, shared by `short_conv`
+    and the KDA decode kernel (which holds the window as separate vectors)."""
+    return jax.nn.silu(sum(t.astype(f32) * w.astype(f32) for t, w in zip(taps, weights, strict=True)))
 
 
 def kda_recurrent_step(state, q, k, v, g, beta):
@@ -295,6 +299,18 @@ class ExpertWeights:
 DENSE_DISPATCH_MAX_TOKENS = 64  # up to this many tokens, run each distinct expert on every token
 
 
+def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: int):
+    """The distinct selected experts and each token's coefficient for them.
+
+    ids, weights [N, k]. Returns (uniq [size] int32: sorted distinct ids padded with `num_experts`,
+    which sorts last and matches no token; coef [size, N] float32: the routing weight where token n
+    chose expert uniq[u], else 0).
+    """
+    uniq = jnp.unique(ids.reshape(-1), size=size, fill_value=num_experts)
+    coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights)
+    return uniq, coef
+
+
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """sum_k weights[n, k] * expert_{ids[n, k]}(z[n]) for z [N, M], touching only selected experts.
@@ -314,16 +330,13 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
     n_chunks = -(-bound // expert_chunk)
     chunk = -(-bound // n_chunks)
     flat = ids.reshape(-1)
-    # Sorted distinct ids, padded with E (sorts last, matches no token; the gather clamps it).
-    uniq = jnp.unique(flat, size=n_chunks * chunk, fill_value=n_exp)
+    uniq, coef = expert_dispatch(ids, weights, n_exp, n_chunks * chunk)
 
     def chunk_weights(c):
         ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
         return ids_c, experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
 
     if n <= DENSE_DISPATCH_MAX_TOKENS:
-        coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights)
-
         def run_chunk(c):
             _, (w1, w3, w2) = chunk_weights(c)
             gate = jnp.einsum("nm,uim->uni", z, w1, preferred_element_type=f32).astype(z.dtype)

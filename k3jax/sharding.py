@@ -162,11 +162,9 @@ def param_shardings(state, mesh: Mesh):
         lambda p, x: NamedSharding(mesh, param_spec(param_path(p), x.shape, mesh)), state)
 
 
-def shard_model(model, mesh: Mesh):
-    """Moves an existing model's parameters onto `mesh` per PARAM_RULES (in place; returns it)."""
-    state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, param_shardings(state, mesh)))
-    return model
+def checkpoint_sharding(mesh: Mesh):
+    """The `sharding` rule for k3jax.checkpoint loaders: each tensor goes straight to its shards."""
+    return lambda path, shape, dtype: NamedSharding(mesh, param_spec(".".join(map(str, path)), shape, mesh))
 
 
 def create_sharded(make_model, mesh: Mesh):

@@ -80,8 +80,8 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
         mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
     if os.path.isdir(path_or_preset):
         from k3jax.checkpoint import load_hf_checkpoint
-        model = load_hf_checkpoint(path_or_preset, dtype=dtype, **config_changes)
-        return model if mesh is None else sharding.shard_model(model, mesh)
+        target = None if mesh is None else sharding.checkpoint_sharding(mesh)
+        return load_hf_checkpoint(path_or_preset, dtype=dtype, sharding=target, **config_changes)
     if path_or_preset not in PRESETS and os.sep in path_or_preset:
         raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
     cfg = get_preset(path_or_preset, **config_changes)

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # Modules that register kernels when imported (each holds one fused op's kernels).
-KERNEL_MODULES: tuple[str, ...] = ("pallas_kernels.linear", "cute_bridge.ops")
+KERNEL_MODULES: tuple[str, ...] = ("pallas_kernels.linear", "pallas_kernels.mla_decode", "pallas_kernels.route",
+                                   "pallas_kernels.attn_res_mix", "pallas_kernels.moe_experts",
+                                   "pallas_kernels.kda_decode", "cute_bridge.ops")
 
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {}
 _SPECS: dict[str, OpSpec] = {}

@@ -1,0 +1,83 @@
+"""`python -m k3jax.bench --model` (whole-model decode sweep) and `--report` on the tiny preset."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+import k3jax
+from k3jax import bench
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_model_sweep_and_report(tmp_path):
+    out = tmp_path / "model.json"
+    rc = bench.main(["--model", "--preset", "k3-tiny", "--backends", "xla,pallas", "--granularities",
+                     "xla-ops,fused-sublayer,step-megakernel", "--batches", "2", "--contexts", f"8,{2**40}",
+                     "--steps", "2", "--warmup", "1", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    res = json.load(open(out))
+    assert res["meta"]["kind"] == "model" and res["meta"]["copy_bandwidth"] > 0
+    ok = [r for r in res["rows"] if r["status"] == "ok"]
+    assert len(ok) == 1
+    r = ok[0]
+    assert (r["backend"], r["granularity"], r["batch"], r["context"]) == ("xla", "xla-ops", 2, 8)
+    assert r["latency_s_p90"] >= r["latency_s_median"] > 0 and r["step_s"] > 0
+    assert r["tokens_per_s"] == pytest.approx(2 / r["step_s"])
+    assert r["roofline_fraction"] == pytest.approx(r["bytes_per_step"] / r["step_s"] / res["meta"]["copy_bandwidth"])
+    assert r["speedup_vs_xla"] == pytest.approx(1.0)
+    # Too long a context is skipped with its reason; granularities without kernels are listed.
+    reasons = {(r["granularity"], r["status"]): r["reason"] for r in res["rows"] if r["status"] != "ok"}
+    assert "max_position_embeddings" in reasons[("xla-ops", "skipped")]
+    assert "no fused sub-layer kernel" in reasons[("fused-sublayer", "unavailable")]
+    assert "no step megakernel" in reasons[("step-megakernel", "unavailable")]
+    md = open(str(out)[:-5] + ".md").read()
+    assert "xla / xla-ops" in md and "Not run:" in md
+    assert (tmp_path / "model-k3-tiny.png").stat().st_size > 1000
+
+    # The report merges files of every kind into a Markdown block and rewrites a doc's block.
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({"preset": "k3-tiny", "backend": "pallas", "device": "cpu", "rows": [
+        {"batch": 2, "step_ms": 4.0, "tokens_per_s": 500.0, "bytes_per_step": 1e6, "roofline_fraction": 0.1}]}))
+    ops = tmp_path / "ops.json"
+    ops.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "d", "copy_bandwidth": 1e9},
+                               "rows": [{"op": "linear", "case": "c", "batch": 1, "backend": b, "bytes": 1e6,
+                                         "device_s": t, "tb_per_s": 1e-6 / t, "frac_copy_bw": 0.5}
+                                        for b, t in (("xla", 2e-6), ("torch", 1e-6))]}))
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Results\n{bench.REPORT_BEGIN}\nold\n{bench.REPORT_END}\ntail\n")
+    assert bench.main(["--report", str(out), str(legacy), str(ops), "--update", str(doc),
+                       "--plots", str(tmp_path / "img" / "r")]) == 0
+    text = doc.read_text()
+    assert "old" not in text and text.endswith("tail\n") and "pallas / per-op" in text
+    assert "torch us" in text and "2.00x" in text and "![r-k3-tiny.png](img/r-k3-tiny.png)" in text
+    assert bench.main(["--report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_failures_become_rows(monkeypatch, tmp_path):
+    """A point that runs out of memory (or fails) is a row with its reason; the sweep goes on."""
+    def boom(model, batch, context, **kw):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate" if batch == 1 else "bad")
+    monkeypatch.setattr(bench, "time_decode_step", boom)
+    res = bench.bench_model("k3-tiny", ["xla"], ["xla-ops"], [1, 2], [8], progress=False, log=lambda s: None)
+    st = [(r["batch"], r["status"]) for r in res["rows"]]
+    assert st == [(1, "skipped"), (2, "error")]
+    assert res["rows"][0]["reason"].startswith("out of memory")
+    # A model that cannot be built is one skipped row per configuration, not a crash.
+    res = bench.bench_model("k3-tiny", ["xla"], ["xla-ops"], [1], [8], expert_formats=["fp8"],
+                            progress=False, log=lambda s: None)
+    assert res["rows"][0]["status"] == "skipped" and "model not built" in res["rows"][0]["reason"]
+
+
+def test_fit_check_and_plans():
+    cfg = k3jax.get_preset("k3-tiny")
+    assert bench._fits(cfg, 1, 64, jnp.bfloat16, 1) is None
+    assert "GiB" in bench._fits(cfg, 1 << 20, 1 << 20, jnp.bfloat16, 1)
+    assert isinstance(bench.granularity_plan("xla", "per-op"), str)
+    assert bench.granularity_plan("xla", "xla-ops").describe()["linear"] == "xla"
+    plan = bench.granularity_plan("pallas", "per-op")
+    assert plan.describe()["linear"] == "pallas" and plan.describe()["gated_mlp"] == "xla"
+    assert bench.sweep_configs(["xla", "cute"], ["xla-ops", "per-op"]) == [("xla", "xla-ops"), ("cute", "per-op")]
+    with pytest.raises(ValueError, match="unknown granularity"):
+        bench.granularity_plan("xla", "warp")
