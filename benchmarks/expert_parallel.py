@@ -1,15 +1,26 @@
-"""Expert-parallel MoE on several GPUs: per-layer dispatch + combine time per variant, the full
-EP MoE layer, and the decode step of an expert-parallel preset, next to one GPU.
+"""Expert-parallel scaling: per-layer dispatch + combine time per variant and EP size, the full EP
+MoE layer, and the whole decode step of an expert-parallel preset (tokens/s, roofline fraction).
 
-    python benchmarks/expert_parallel.py --out ep.json                  # 2 GPUs: mesh ep=2
-    python benchmarks/expert_parallel.py --out ep.json --cpu-smoke      # tiny shapes, CPU, a2a/allgather
+    python benchmarks/expert_parallel.py --out ep.json                      # every EP size the host allows
+    python benchmarks/expert_parallel.py --ep 8,4,2 --step-mesh ep=8 --out ep8.json   # 8 GPUs
+    python benchmarks/expert_parallel.py --cpu-smoke --out smoke.json       # tiny shapes on CPU devices
 
-Per batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_parallel with the
+Phase 1 ("moe_layer" rows), for each EP size in `--ep` (a mesh ep=N over the first N devices),
+batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_parallel with the
 expert math replaced by the identity (routing bookkeeping, the collectives there and back, the
 weighted combine); "EP MoE" runs the real MXFP4 experts (ops.moe_experts per rank). Both are
 timed as a fori_loop over `--layers` chained layers inside one jit (no host dispatch between
 layers), median of `--repeats`, divided by the layer count. Every variant's output is first
 checked against ops.moe_experts on one device holding all experts.
+
+Phase 2 ("rows", the k3jax.bench --model schema, so `python -m k3jax.bench --report` tables it):
+the jitted decode step of `--preset` on `--step-mesh`, timed by k3jax.bench (state at
+`--context` cached tokens), for each batch x `--step-variants`, batch-major. tokens/s = batch /
+step time; roofline = k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
+
+The JSON is rewritten after every measured point, so a run killed at its time limit keeps what
+it measured; `--budget-s` stops starting new points in time for the summary table.
+"ragged" (ragged_all_to_all) does not run on XLA:CPU: it is skipped there with a line saying so.
 """
 
 from __future__ import annotations
@@ -28,9 +39,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3jax import moe_parallel, mxfp4, ops, sharding  # noqa: E402
+from k3jax import atomic, moe_parallel, mxfp4, ops, sharding  # noqa: E402
 
 ACT = dict(act="situ", beta=4.0, linear_beta=25.0)
+PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -60,147 +72,225 @@ def routing(key, n, e, k):
     return ids.astype(jnp.int32), w / w.sum(-1, keepdims=True)
 
 
-def moe_layer_bench(a, mesh, out: dict, deadline: float):
+def ragged_runs_here() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
+    """Phase 1: one row per (ep, batch, variant) into out["moe_layer"]."""
     e, m, i, k = a.experts, a.latent, a.intermediate, a.top_k
     key = jax.random.key(0)
-    shard = jax.NamedSharding(mesh, jax.P("expert"))
     shapes = [(e, i, m), (e, i, m), (e, m, i)]
-    make = jax.jit(lambda key: [mxfp4.random_packed(jax.random.fold_in(key, j), s) for j, s in enumerate(shapes)],
-                   out_shardings=[(shard, shard)] * 3)
-    packs = make(key)
+    make = jax.jit(lambda key: [mxfp4.random_packed(jax.random.fold_in(key, j), s) for j, s in enumerate(shapes)])
+    dev0 = jax.devices()[0]
+    with jax.default_device(dev0):
+        packs = make(key)
     experts = ops.ExpertWeights(packs[0][0], packs[1][0], packs[2][0], packs[0][1], packs[1][1], packs[2][1])
-    ident = lambda rows, local_ids, ex: rows  # noqa: E731
-    rows = []
-    for b in [int(x) for x in a.batches.split(",")]:
-        if time.time() > deadline:
-            print(f"time budget reached before batch {b}")
-            break
+    del packs
+    batches = [int(x) for x in a.batches.split(",")]
+    inputs, refs = {}, {}
+    one_device = jax.jit(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT))
+    for b in batches:  # one-device references first, while all experts sit on device 0
         kz, kr = jax.random.split(jax.random.fold_in(key, b))
-        z = jax.random.normal(kz, (b, m), jnp.bfloat16)
-        ids, w = routing(kr, b, e, k)
-        with jax.default_device(jax.devices()[0]):
-            ref = np.asarray(jax.jit(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT))(
-                z, ids, w, jax.device_put(experts, jax.devices()[0])), np.float32)
-        single_local = None
-        if not a.cpu_smoke:  # one GPU running the same per-rank expert math over E/ep experts
-            local = jax.device_put(jax.tree.map(lambda x: x[: e // mesh.shape["expert"]], experts), jax.devices()[0])
-            lids = ids % (e // mesh.shape["expert"])
-            single_local = timed(chained(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT), a.layers),
-                                 z, lids, w, local, repeats=a.repeats) / a.layers
-            del local
-        for variant in a.variants.split(","):
+        with jax.default_device(dev0):
+            z = jax.random.normal(kz, (b, m), jnp.bfloat16)
+            ids, w = routing(kr, b, e, k)
+        inputs[b] = (z, ids, w)
+        refs[b] = np.asarray(one_device(z, ids, w, experts), np.float32)
+    ident = lambda rows, local_ids, ex: rows  # noqa: E731
+    rows = out.setdefault("moe_layer", [])
+    for ep in a.ep:
+        if time.time() > deadline:
+            print(f"layer phase: time budget reached before ep={ep}", flush=True)
+            break
+        if e % ep:
+            print(f"layer phase: ep={ep} skipped: {e} experts do not split over {ep} ranks", flush=True)
+            continue
+        mesh = sharding.make_mesh(f"ep={ep}")
+        sharded = jax.device_put(experts, jax.NamedSharding(mesh, jax.P("expert")))
+        for b in batches:
             if time.time() > deadline:
+                print(f"layer phase: time budget reached before ep={ep} batch {b}", flush=True)
                 break
-            try:
-                row = variant_bench(a, mesh, variant, b, z, ids, w, experts, ref, ident)
-            except Exception as e:  # record and go on: one variant failing must not lose the others
-                row = {"batch": b, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-            row["single_gpu_local_experts_us"] = None if single_local is None else single_local * 1e6
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    out["moe_layer"] = rows
-    del experts, packs
+            z, ids, w = inputs[b]
+            single_local = None
+            if not a.cpu_smoke:  # one GPU running the same per-rank expert math over E/ep experts
+                local = jax.tree.map(lambda x: x[: e // ep], experts)
+                single_local = timed(chained(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT), a.layers),
+                                     z, ids % (e // ep), w, local, repeats=a.repeats) / a.layers
+                del local
+            for variant in a.variants.split(","):
+                head = {"ep": ep, "batch": b, "variant": variant}
+                if variant == "ragged" and not ragged_runs_here():
+                    print(f"ep={ep} batch {b}: ragged skipped: ragged_all_to_all does not run on XLA:CPU "
+                          "(GPU only)", flush=True)
+                    rows.append({**head, "skipped": "ragged_all_to_all does not run on XLA:CPU"})
+                    continue
+                if time.time() > deadline:
+                    break
+                try:
+                    row = {**head, **variant_bench(a, mesh, variant, inputs[b], sharded, refs[b], ident)}
+                except Exception as err:  # record and go on: one variant failing must not lose the others
+                    row = {**head, "error": f"{type(err).__name__}: {str(err)[:500]}"}
+                row["single_gpu_local_experts_us"] = None if single_local is None else single_local * 1e6
+                rows.append(row)
+                save()
+                print(json.dumps(row), flush=True)
+        del sharded
+    del experts
 
 
-def variant_bench(a, mesh, variant, b, z, ids, w, experts, ref, ident) -> dict:
+def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
     """One variant at one batch: error vs one device, dispatch+combine and full EP layer times."""
     def layer(expert_fn):
         return lambda z, i, w, ex: moe_parallel.moe_experts(z, i, w, ex, variant=variant, expert_fn=expert_fn, **ACT)
     with jax.set_mesh(mesh):
-        got = np.asarray(jax.jit(layer(None))(z, ids, w, experts), np.float32)
+        zb, ib, wb = (jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in ziw)
+        got = np.asarray(jax.jit(layer(None))(zb, ib, wb, experts), np.float32)
         err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
-        comm = timed(chained(layer(ident), a.layers), z, ids, w, experts, repeats=a.repeats) / a.layers
-        full = timed(chained(layer(None), a.layers), z, ids, w, experts, repeats=a.repeats) / a.layers
-    return {"batch": b, "variant": variant, "dispatch_combine_us": comm * 1e6, "ep_moe_us": full * 1e6,
-            "rel_err_vs_single_device": err}
+        comm = timed(chained(layer(ident), a.layers), zb, ib, wb, experts, repeats=a.repeats) / a.layers
+        full = timed(chained(layer(None), a.layers), zb, ib, wb, experts, repeats=a.repeats) / a.layers
+    return {"dispatch_combine_us": comm * 1e6, "ep_moe_us": full * 1e6, "rel_err_vs_single_device": err}
 
 
-def save(out: dict, path: str) -> None:
-    """Written after every phase and step, so a run cut off by its time limit keeps its numbers."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(path + ".tmp", path)
-
-
-def step_bench(a, mesh, out: dict, deadline: float):
+def step_bench(a, out: dict, deadline: float, save) -> None:
+    """Phase 2: decode-step rows (k3jax.bench schema) into out["rows"], batch-major."""
     import k3jax
-    steps = []
+    from k3jax import bench, costs
     t = time.time()
-    model = k3jax.from_pretrained(a.preset, mesh=mesh)
-    out["create_s"] = time.time() - t
-    print(f"created {a.preset} on {sharding.format_mesh(mesh)} in {out['create_s']:.1f} s", flush=True)
-    for spec in a.steps.split(","):
-        variant, b = spec.split(":")
-        if time.time() > deadline:
-            print(f"time budget reached before step {spec}")
-            break
-        sharding.set_ep_variant(model, variant)
-        try:
-            r = k3jax.generate_with_stats(model, [[1, 2, 3, 4]] * int(b), a.new_tokens)
-        except Exception as e:  # keep what was measured so far
-            print(f"step {spec} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
-            steps.append({"variant": variant, "batch": int(b), "error": f"{type(e).__name__}: {str(e)[:500]}"})
+    model = k3jax.from_pretrained(a.preset, mesh=a.step_mesh, dtype=a.dtype)
+    mesh = sharding.model_mesh(model)
+    n_dev = 1 if mesh is None else mesh.size
+    dev = jax.devices()[0]
+    bw = costs.copy_bandwidth(dev)
+    out["meta"].update(create_s=time.time() - t, copy_bandwidth=bw, n_devices=n_dev, config=model.cfg.name,
+                       param_bytes={model.cfg.expert_format: sum(x.size * x.dtype.itemsize
+                                                                 for x in jax.tree.leaves(model))})
+    save()
+    print(f"created {a.preset} on {a.step_mesh} in {out['meta']['create_s']:.1f} s", flush=True)
+    base = {"preset": a.preset, "device": dev.device_kind, "expert_format": model.cfg.expert_format,
+            "mesh": a.step_mesh, "backend": "xla", "granularity": "xla-ops", "kernels": {}}
+    variants = [v for v in a.step_variants.split(",") if v]
+    with jax.set_mesh(mesh):
+        for b in [int(x) for x in a.batches.split(",")]:
+            for variant in variants:
+                head = {**base, "ep_variant": variant}
+                if variant == "ragged" and not ragged_runs_here():
+                    print(f"step batch {b}: ragged skipped: ragged_all_to_all does not run on XLA:CPU", flush=True)
+                    out["rows"].append({**head, "batch": b, "context": a.context, "status": "unavailable",
+                                        "reason": "ragged_all_to_all does not run on XLA:CPU"})
+                    continue
+                if time.time() > deadline:
+                    print(f"step phase: time budget reached before batch {b} {variant}", flush=True)
+                    return
+                sharding.set_ep_variant(model, variant)
+                row = bench._bench_point(model, head, b, a.context, a.step_steps, a.warmup, 0, bw * n_dev)
+                out["rows"].append(row)
+                save()
+                print(json.dumps({k: row.get(k) for k in ("mesh", "ep_variant", "batch", "status", "step_s",
+                                                          "tokens_per_s", "roofline_fraction", "compile_s",
+                                                          "reason")}), flush=True)
+
+
+def summary(out: dict) -> str:
+    lines = ["ep batch variant   dispatch+combine us   EP MoE layer us   1-GPU same experts us   rel err"]
+    for r in out.get("moe_layer", []):
+        if "error" in r or "skipped" in r:
+            why = r.get("error") or "skipped: " + r["skipped"]
+            lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:9s} {why}")
             continue
-        row = {"preset": a.preset, "mesh": sharding.format_mesh(mesh), "variant": variant, "batch": int(b),
-               "step_ms": r.step_ms, "compile_s": r.compile_s, "prefill_s": r.prefill_s,
-               "tokens": r.tokens[0].tolist()}
-        steps.append(row)
-        out["steps"] = steps
-        save(out, a.out)
-        print(json.dumps(row), flush=True)
-    out["steps"] = steps
-    del model
+        s = r["single_gpu_local_experts_us"]
+        lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:9s} {r['dispatch_combine_us']:18.1f} "
+                     f"{r['ep_moe_us']:17.1f} {'-' if s is None else f'{s:.1f}':>22s} "
+                     f"{r['rel_err_vs_single_device']:9.2e}")
+    for r in out.get("rows", []):
+        if r["status"] != "ok":
+            lines.append(f"step {r['mesh']} {r['ep_variant']} batch {r['batch']}: {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"step {r['preset']} {r['mesh']} {r['ep_variant']} batch {r['batch']}: "
+                     f"{r['step_s'] * 1e3:.2f} ms, {r['tokens_per_s']:.1f} tok/s, roofline "
+                     f"{r['roofline_fraction']:.1%} (compile {r['compile_s']:.1f} s)")
+    return "\n".join(lines)
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", default="ep=2")
+    p.add_argument("--ep", default=None, help="layer phase EP sizes, e.g. 8,4,2 (default: powers of two "
+                   "from 2 to the device count; '' = no layer phase)")
     p.add_argument("--experts", type=int, default=896)
     p.add_argument("--latent", type=int, default=3584)
     p.add_argument("--intermediate", type=int, default=3072)
     p.add_argument("--top-k", type=int, default=16)
-    p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--variants", default="ragged,a2a,allgather")
-    p.add_argument("--layers", type=int, default=16, help="chained layers per timed call")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--preset", default="k3-h200x2")
-    p.add_argument("--steps", default="auto:1,auto:8", help="variant:batch decode runs ('' = none)")
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--budget-s", type=float, default=270, help="skip remaining phases after this long")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU devices (a2a, allgather)")
+    p.add_argument("--batches", default="1,8,64,256", help="tokens per step, both phases")
+    p.add_argument("--variants", default="ragged,a2a,allgather", help="layer phase dispatch variants")
+    p.add_argument("--layers", type=int, default=8, help="chained layers per timed call")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--step-mesh", default=None, help="step phase mesh (default: ep=<largest --ep>; '' = no step phase)")
+    p.add_argument("--preset", default=None, help="step phase preset (default: k3-h200x<ep> for the step mesh)")
+    p.add_argument("--step-variants", default="allgather,a2a,ragged")
+    p.add_argument("--context", type=int, default=1024, help="step phase: cached tokens per sequence")
+    p.add_argument("--step-steps", type=int, default=4, help="step phase: timed steps per point (k3jax.bench)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--budget-s", type=float, default=540, help="start no new point after this long")
+    p.add_argument("--layer-budget-s", type=float, default=None, help="end the layer phase after this long "
+                   "(default: half of --budget-s when there is a step phase)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes (16 experts, k3-tiny) on CPU devices: a2a, allgather; ragged skipped")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
-    if a.cpu_smoke:
-        a.experts, a.latent, a.intermediate, a.top_k, a.layers, a.repeats = 16, 64, 64, 4, 2, 1
-        a.variants, a.preset, a.batches = "a2a,allgather", "k3-tiny", "1,8"
-    deadline = time.time() + a.budget_s
-    mesh = sharding.make_mesh(a.mesh)
+    a = p.parse_args(argv)
+    if a.cpu_smoke:  # tiny defaults; options given on the command line win
+        tiny = dict(experts=16, latent=64, intermediate=64, top_k=4, layers=2, repeats=1, batches="1,8",
+                    context=16, step_steps=2, preset="k3-tiny")
+        for name, value in tiny.items():
+            if getattr(a, name) == p.get_default(name):
+                setattr(a, name, value)
+    n = jax.device_count()
+    a.ep = [int(x) for x in a.ep.split(",") if x] if a.ep is not None else [
+        2 ** j for j in range(1, n.bit_length()) if 2 ** j <= n]
+    if any(ep > n for ep in a.ep):
+        p.error(f"--ep {a.ep} needs more than the {n} visible devices")
+    if a.step_mesh is None:
+        a.step_mesh = f"ep={max(a.ep)}" if a.ep else ""
+    if a.step_mesh and a.preset is None:
+        ep = sharding.parse_mesh(a.step_mesh)["expert"]
+        if ep not in PRESET_FOR_EP:
+            p.error(f"no preset sized for {a.step_mesh}; pass --preset")
+        a.preset = PRESET_FOR_EP[ep]
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    start = time.time()
+    deadline = start + a.budget_s
+    layer_deadline = start + (a.layer_budget_s if a.layer_budget_s is not None
+                              else a.budget_s / 2 if a.step_mesh else a.budget_s)
     dev = jax.devices()[0]
-    out = {"device": f"{jax.device_count()}x {dev.device_kind}", "mesh": sharding.format_mesh(mesh),
-           "args": vars(a), "jax": jax.__version__}
-    moe_layer_bench(a, mesh, out, deadline)
-    save(out, a.out)
-    if a.steps:
+    out = {"meta": {"kind": "model", "preset": a.preset, "device": dev.device_kind, "platform": dev.platform,
+                    "n_devices": jax.device_count(), "jax": jax.__version__,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": " ".join(["python benchmarks/expert_parallel.py", *(sys.argv[1:] if argv is None
+                                                                                 else argv)]),
+                    "dtype": a.dtype, "steps": a.step_steps, "warmup": a.warmup,
+                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+                    "state": "k3jax.bench: random decode state at lengths = context", "args": vars(a)},
+           "moe_layer": [], "rows": []}
+    save = lambda: atomic.write_json(a.out, out)  # noqa: E731 - after every point: survives a kill
+    save()
+    if a.ep:
+        moe_layer_bench(a, out, min(layer_deadline, deadline), save)
+    if a.step_mesh:
         try:
-            step_bench(a, mesh, out, deadline)
+            step_bench(a, out, deadline, save)
         except Exception as e:  # e.g. out of memory creating the preset: keep the layer numbers
-            out["step_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
-            print(out["step_error"], flush=True)
-    save(out, a.out)
-    print("\nbatch variant   dispatch+combine us   EP MoE layer us   1-GPU same experts us   rel err")
-    for r in out["moe_layer"]:
-        if "error" in r:
-            print(f"{r['batch']:5d} {r['variant']:9s} ERROR {r['error'][:200]}")
-            continue
-        s = r["single_gpu_local_experts_us"]
-        print(f"{r['batch']:5d} {r['variant']:9s} {r['dispatch_combine_us']:18.1f} {r['ep_moe_us']:17.1f} "
-              f"{'-' if s is None else f'{s:.1f}':>22s} {r['rel_err_vs_single_device']:9.2e}")
-    for r in out.get("steps", []):
-        if "error" in r:
-            continue
-        print(f"step {r['preset']} {r['mesh']} {r['variant']} batch {r['batch']}: {r['step_ms']:.2f} ms "
-              f"(compile {r['compile_s']:.1f} s)")
+            out["meta"]["step_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+            print(out["meta"]["step_error"], flush=True)
+    save()
+    print()
+    print(summary(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

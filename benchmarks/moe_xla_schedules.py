@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3jax import mxfp4, ops  # noqa: E402
-from k3jax.decode import write_json_atomic  # noqa: E402
+from k3jax import atomic  # noqa: E402
 
 
 def main():
@@ -55,7 +55,7 @@ def main():
         rows.append(row)
         print(f"N={n:3d} U={uniq:3d} dense {row['dense_ms']:8.3f} ms ({row['dense_TBps']:.2f} TB/s)  "
               f"ragged {row['ragged_ms']:8.3f} ms ({row['ragged_TBps']:.2f} TB/s)  diff {err:.1e}", flush=True)
-    write_json_atomic(a.out, {"device": jax.devices()[0].device_kind, "experts": e, "rows": rows})
+    atomic.write_json(a.out, {"device": jax.devices()[0].device_kind, "experts": e, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from k3jax.bench import _atomic_write, _ints  # noqa: E402
+from k3jax import atomic  # noqa: E402
+from k3jax.bench import _ints  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.costs import MEASURED_COPY_BANDWIDTH, decode_step_bytes  # noqa: E402
 
@@ -313,7 +314,7 @@ def main(argv=None) -> int:
     else:
         result = bench_ops(a, device)
         out = a.out or f"benchmarks/results/torch-ops-{stamp}.json"
-    _atomic_write(out, json.dumps(result, indent=1))
+    atomic.write_json(out, result)
     print(f"results: {out}")
     return 1 if any(r.get("status") == "error" for r in result["rows"]) else 0
 

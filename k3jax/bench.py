@@ -41,12 +41,12 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
+from k3jax import atomic
 from k3jax.backend import REFERENCES
 
 L2_BYTES = 60 << 20
@@ -145,15 +145,6 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
     return {"meta": {"kind": "ops", "device": dev.device_kind, "jax": jax.__version__,
                      "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth": copy_bw},
             "rows": rows}
-
-
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def summary_table(result: dict) -> str:
@@ -327,7 +318,6 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
 
     import k3jax
     from k3jax import costs, sharding
-    from k3jax.weights import parse_dtype
     configs = sweep_configs(backends, granularities)
     dev = jax.devices()[0]
     rows: list[dict] = []
@@ -387,7 +377,7 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
                     for context in contexts:
                         for batch in batches:
                             bar.set_postfix_str(f"{backend}/{gran} b{batch} c{context}")
-                            add(_bench_point(model, head, batch, context, steps, warmup, seed, bw * n_dev, n_dev))
+                            add(_bench_point(model, head, batch, context, steps, warmup, seed, bw * n_dev))
                             bar.update()
         del model
     bar.close()
@@ -395,13 +385,15 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
 
 
 def _bench_point(model, head: dict, batch: int, context: int, steps: int, warmup: int, seed: int,
-                 bandwidth: float, n_dev: int) -> dict:
+                 bandwidth: float) -> dict:
     """One row: time the step, or say why not (never raises for a device limit)."""
-    from k3jax import costs
+    from k3jax import costs, sharding
     cfg = model.cfg
     row = {**head, "batch": batch, "context": context}
-    if batch % n_dev:
-        return {**row, "status": "skipped", "reason": f"batch {batch} does not divide over {n_dev} devices"}
+    # Batch axes that do not divide the batch are dropped (k3jax.sharding; batch 1 runs
+    # replicated), so the state splits over the ones that do.
+    mesh = sharding.model_mesh(model)
+    n_dev = 1 if mesh is None else batch // sharding.batch_sharding(mesh, (batch,)).shard_shape((batch,))[0]
     max_len = context + warmup + 3 * steps + 1
     if max_len > cfg.max_position_embeddings:
         return {**row, "status": "skipped",
@@ -554,12 +546,9 @@ def write_plots(rows: list[dict], prefix: str, log=print) -> list[str]:
         ax_tok.legend(fontsize=7, loc="best")
         fig.tight_layout()
         path = f"{prefix}-{preset}.png"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
-        os.close(fd)
-        fig.savefig(tmp, format="png", dpi=110)
+        with atomic.atomic_path(path, suffix=".png") as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
         plt.close(fig)
-        os.replace(tmp, path)
         paths.append(path)
     return paths
 
@@ -591,7 +580,7 @@ def update_doc(doc: str, block: str) -> None:
         raise ValueError(f"{doc} has no '{REPORT_BEGIN}' ... '{REPORT_END}' block to update")
     pre, rest = text.split(REPORT_BEGIN, 1)
     _, post = rest.split(REPORT_END, 1)
-    _atomic_write(doc, f"{pre}{REPORT_BEGIN}\n{block}{REPORT_END}{post}")
+    atomic.write_text(doc, f"{pre}{REPORT_BEGIN}\n{block}{REPORT_END}{post}")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -653,7 +642,7 @@ def main(argv=None) -> int:
             print(f"error: unknown granularity {bad}; choose from {', '.join(GRANULARITIES)}", file=sys.stderr)
             return 2
         out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
-        save = lambda res: _atomic_write(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
+        save = lambda res: atomic.write_text(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
         result = bench_model(a.preset, (a.backends or "xla,pallas,cute").split(","), grans,
                              _ints(a.batches or DEFAULT_BATCHES, "--batches"), _ints(a.contexts, "--contexts"),
                              expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
@@ -663,7 +652,7 @@ def main(argv=None) -> int:
         save(result)
         stem = out[:-5] if out.endswith(".json") else out
         table = model_table(result["rows"])
-        _atomic_write(stem + ".md", table + "\n")
+        atomic.write_text(stem + ".md", table + "\n")
         plots = write_plots(result["rows"], stem)
         print(table)
         print(f"results: {out}, {stem}.md" + "".join(f", {q}" for q in plots))
@@ -672,7 +661,7 @@ def main(argv=None) -> int:
     result = bench_ops(ops, (a.backends or "xla,pallas").split(","),
                        set(_ints(a.batches or "1,8,32,128", "--batches")), a.sizes)
     out = a.out or f"benchmarks/results/ops-{stamp}.json"
-    _atomic_write(out, json.dumps(result, indent=1))
+    atomic.write_text(out, json.dumps(result, indent=1))
     print(summary_table(result))
     print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")
     return 0 if all(r["correct"] for r in result["rows"]) else 1

@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax

@@ -8,10 +8,10 @@ decode step moves against the device's bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import tempfile
+
+from k3jax import atomic
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
 
@@ -67,20 +67,6 @@ def _parse_ids(text: str) -> list[int]:
     if not ids:
         raise ValueError("--prompt-ids is empty")
     return ids
-
-
-def write_json_atomic(path: str, payload: dict) -> None:
-    """Writes JSON to a temporary file beside `path`, then renames it into place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -178,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_report(report, args.quiet)
     if args.output:
-        write_json_atomic(args.output, report)
+        atomic.write_json(args.output, report)
         print(f"wrote {args.output}")
     return 0
 

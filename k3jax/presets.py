@@ -7,6 +7,8 @@ fields overridden), turned into a `K3Config` by `get_preset`.
 | k3-tiny              | every K3 structural feature, seconds on 2 CPU cores                   |
 | k3-h200              | 12 layers at K3's real per-layer shapes, 448 MXFP4 experts (~106 GB)  |
 | k3-h200x2            | as k3-h200 with all 896 experts, for 2 GPUs expert-parallel           |
+| k3-h200x4            | 20 layers, all 896 experts, for 4 GPUs ep=4 (~104 GB per GPU)         |
+| k3-h200x8            | 30 layers, all 896 experts, for 8 GPUs ep=8 (~97 GB per GPU)          |
 | kimi-linear-48b      | Kimi-Linear-48B-A3B's published config                                |
 | kimi-linear-48b-h200 | Kimi-Linear-48B-A3B at its real widths, layers cut to fit one H200    |
 | kimi-linear-tiny     | Kimi-Linear structure (no latent MoE, SiLU, no AttnRes), CPU-sized    |
@@ -166,6 +168,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # One full AttnRes block of real-shape layers: 9 KDA + 3 MLA, half the experts.
     "k3-h200": _k3(num_hidden_layers=12, num_experts=448, linear_attn_config=_layers(12)),
     "k3-h200x2": _k3(num_hidden_layers=12, linear_attn_config=_layers(12)),
+    # Sized so one GPU's share under pure expert parallelism (experts split, the rest replicated:
+    # k3jax.sharding.per_device_param_bytes) is ~97-104 GB of the H200's ~143 GB, leaving room for
+    # the decode state at batch 256 and the dequantized-expert temporaries of the MoE layer.
+    "k3-h200x4": _k3(num_hidden_layers=20, linear_attn_config=_layers(20)),
+    "k3-h200x8": _k3(num_hidden_layers=30, linear_attn_config=_layers(30)),
     "kimi-linear-48b": KIMI_LINEAR_48B,
     "kimi-linear-48b-h200": _kimi_linear(num_hidden_layers=16, linear_attn_config=_layers(16)),
     "kimi-linear-tiny": _kimi_linear(

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+
+from k3jax.atomic import atomic_path
 
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -154,25 +155,15 @@ def write_file(path: str, entries: Iterable[tuple[str, tuple[int, ...], np.dtype
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data to 8 bytes, as the reference writer does
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name, shape, dtype, produce in entries:
-                arr = np.ascontiguousarray(produce())
-                if arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
-                    raise SafetensorsError(f"{path}: tensor {name!r}: producer returned {arr.dtype}{list(arr.shape)}, "
-                                           f"declared {np.dtype(dtype)}{list(shape)}")
-                f.write(arr.reshape(-1).view(np.uint8).data)  # little-endian host; no copy
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path, suffix=".safetensors") as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype, produce in entries:
+            arr = np.ascontiguousarray(produce())
+            if arr.shape != tuple(shape) or arr.dtype != np.dtype(dtype):
+                raise SafetensorsError(f"{path}: tensor {name!r}: producer returned {arr.dtype}{list(arr.shape)}, "
+                                       f"declared {np.dtype(dtype)}{list(shape)}")
+            f.write(arr.reshape(-1).view(np.uint8).data)  # little-endian host; no copy
     return 8 + len(raw) + offset
 
 

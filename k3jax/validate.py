@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
-import tempfile
 import time
 
 import jax
 import numpy as np
 
+from k3jax import atomic
 from k3jax.backend import BACKENDS, REFERENCES
 
 
@@ -111,22 +110,13 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
     return results
 
 
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_report(results: list[CaseResult], prefix: str, backend: str) -> None:
     dev = jax.devices()[0]
     meta = {"backend": backend, "device": dev.device_kind, "platform": dev.platform,
             "mode": "compiled" if dev.platform == "gpu" else "Mosaic GPU interpret mode (race detection on)",
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows = [dict(dataclasses.asdict(r), passed=r.passed) for r in results]
-    _atomic_write(prefix + ".json", json.dumps({"meta": meta, "results": rows}, indent=1))
+    atomic.write_text(prefix + ".json", json.dumps({"meta": meta, "results": rows}, indent=1))
     lines = [f"# Kernel validation: backend {backend}", "",
              " | ".join(f"{k}: {v}" for k, v in meta.items()), "",
              "| op | case | shapes | max err (rel) | tol | deterministic | races | result |",
@@ -136,7 +126,7 @@ def write_report(results: list[CaseResult], prefix: str, backend: str) -> None:
                      f"{r.deterministic} | {r.races} | {'PASS' if r.passed else 'FAIL ' + r.note} |")
     n_fail = sum(not r.passed for r in results)
     lines += ["", f"{len(results) - n_fail}/{len(results)} cases passed."]
-    _atomic_write(prefix + ".md", "\n".join(lines) + "\n")
+    atomic.write_text(prefix + ".md", "\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:

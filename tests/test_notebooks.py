@@ -1,6 +1,5 @@
 """The notebooks run top to bottom on CPU with the tiny presets (as CI executes them)."""
 
-import os
 import pathlib
 
 import pytest

@@ -1,0 +1,37 @@
+"""Atomic file writes: a file is either complete or absent, never half-written."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
+    """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`,
+    on any error it is removed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str, text: str) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+
+
+def write_json(path: str, payload) -> None:
+    write_text(path, json.dumps(payload, indent=1))
