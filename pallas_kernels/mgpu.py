@@ -20,25 +20,23 @@ _state = {"force_compile": False, "detect_races": False}
 
 
 @contextlib.contextmanager
+def _set(flag: str):
+    old = _state[flag]
+    _state[flag] = True
+    try:
+        yield
+    finally:
+        _state[flag] = old
+
+
 def compile_for_gpu():
     """Trace kernels for the real GPU even when no GPU is present (CUDA export on CPU)."""
-    old = _state["force_compile"]
-    _state["force_compile"] = True
-    try:
-        yield
-    finally:
-        _state["force_compile"] = old
+    return _set("force_compile")
 
 
-@contextlib.contextmanager
 def race_detection():
     """Interpret-mode kernels traced inside run with the happens-before race detector."""
-    old = _state["detect_races"]
-    _state["detect_races"] = True
-    try:
-        yield
-    finally:
-        _state["detect_races"] = old
+    return _set("detect_races")
 
 
 def interpret_params() -> plgpu.InterpretGPUParams | None:
