@@ -10,8 +10,11 @@ batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_paralle
 expert math replaced by the identity (routing bookkeeping, the collectives there and back, the
 weighted combine); "EP MoE" runs the real MXFP4 experts (ops.moe_experts per rank). Both are
 timed as a fori_loop over `--layers` chained layers inside one jit (no host dispatch between
-layers), median of `--repeats`, divided by the layer count. Every variant's output is first
-checked against ops.moe_experts on one device holding all experts.
+layers), median of `--repeats`, divided by the layer count; on GPU the CUPTI kernel sum per GPU
+and the kernels that take the most time show where dispatch+combine time goes. Every variant's
+output is first checked against ops.moe_experts on one device holding all experts
+(`--dispatch-only`: against an id-dependent elementwise stand-in for the experts, and no MXFP4
+experts are built, so the phase takes seconds).
 
 Phase 2 ("rows", the k3jax.bench --model schema, so `python -m k3jax.bench --report` tables it):
 the jitted decode step of `--preset` on `--step-mesh`, timed by k3jax.bench (state at
@@ -80,16 +83,21 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
     """Phase 1: one row per (ep, batch, variant) into out["moe_layer"]."""
     e, m, i, k = a.experts, a.latent, a.intermediate, a.top_k
     key = jax.random.key(0)
-    shapes = [(e, i, m), (e, i, m), (e, m, i)]
-    make = jax.jit(lambda key: [mxfp4.random_packed(jax.random.fold_in(key, j), s) for j, s in enumerate(shapes)])
     dev0 = jax.devices()[0]
-    with jax.default_device(dev0):
-        packs = make(key)
-    experts = ops.ExpertWeights(packs[0][0], packs[1][0], packs[2][0], packs[0][1], packs[1][1], packs[2][1])
-    del packs
+    if a.dispatch_only:  # no expert math: placeholder weights that only carry E and the sharding
+        experts = ops.ExpertWeights(*(jnp.zeros((e, 1, 1), jnp.bfloat16) for _ in range(3)))
+    else:
+        shapes = [(e, i, m), (e, i, m), (e, m, i)]
+        make = jax.jit(lambda key: [mxfp4.random_packed(jax.random.fold_in(key, j), s)
+                                    for j, s in enumerate(shapes)])
+        with jax.default_device(dev0):
+            packs = make(key)
+        experts = ops.ExpertWeights(packs[0][0], packs[1][0], packs[2][0], packs[0][1], packs[1][1], packs[2][1])
+        del packs
     batches = [int(x) for x in a.batches.split(",")]
     inputs, refs = {}, {}
-    one_device = jax.jit(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT))
+    one_device = jax.jit(tagged_reference if a.dispatch_only else
+                         (lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT)))
     for b in batches:  # one-device references first, while all experts sit on device 0
         kz, kr = jax.random.split(jax.random.fold_in(key, b))
         with jax.default_device(dev0):
@@ -114,7 +122,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
                 break
             z, ids, w = inputs[b]
             single_local = None
-            if not a.cpu_smoke:  # one GPU running the same per-rank expert math over E/ep experts
+            if not (a.cpu_smoke or a.dispatch_only):  # one GPU, the same per-rank expert math over E/ep experts
                 local = jax.tree.map(lambda x: x[: e // ep], experts)
                 single_local = timed(chained(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT), a.layers),
                                      z, ids % (e // ep), w, local, repeats=a.repeats) / a.layers
@@ -140,17 +148,43 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
     del experts
 
 
+def tagged_expert(rows, local_ids, ex):
+    """A stand-in for the expert math that depends on the global expert id (so a wrong routing
+    shows) and costs one elementwise op: row * (1 + id / 1024)."""
+    gid = jax.lax.axis_index(moe_parallel.AXIS) * ex.num_experts + local_ids
+    return (rows.astype(jnp.float32) * (1 + gid[:, None] / 1024)).astype(rows.dtype)
+
+
+def tagged_reference(z, ids, w, ex):
+    """One device: what `tagged_expert` through any variant must give (same roundings)."""
+    per_slot = (z[:, None, :].astype(jnp.float32) * (1 + ids[..., None] / 1024)).astype(z.dtype)
+    return moe_parallel._combine(per_slot, w, z.dtype)
+
+
 def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
-    """One variant at one batch: error vs one device, dispatch+combine and full EP layer times."""
+    """One variant at one batch: error vs one device, dispatch+combine time (wall, and the CUPTI
+    kernel breakdown on GPU) and, unless --dispatch-only, the full EP layer time."""
+    from k3jax import bench
+
     def layer(expert_fn):
         return lambda z, i, w, ex: moe_parallel.moe_experts(z, i, w, ex, variant=variant, expert_fn=expert_fn, **ACT)
+    out = {}
     with jax.set_mesh(mesh):
         zb, ib, wb = (jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in ziw)
-        got = np.asarray(jax.jit(layer(None))(zb, ib, wb, experts), np.float32)
-        err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
-        comm = timed(chained(layer(ident), a.layers), zb, ib, wb, experts, repeats=a.repeats) / a.layers
-        full = timed(chained(layer(None), a.layers), zb, ib, wb, experts, repeats=a.repeats) / a.layers
-    return {"dispatch_combine_us": comm * 1e6, "ep_moe_us": full * 1e6, "rel_err_vs_single_device": err}
+        got = np.asarray(jax.jit(layer(tagged_expert if a.dispatch_only else None))(zb, ib, wb, experts), np.float32)
+        out["rel_err_vs_single_device"] = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
+        run = chained(layer(ident), a.layers)
+        out["dispatch_combine_us"] = timed(run, zb, ib, wb, experts, repeats=a.repeats) / a.layers * 1e6
+        if jax.default_backend() == "gpu":
+            kt = bench._kernel_times(lambda _: run(zb, ib, wb, experts), a.repeats)
+            if kt is not None:  # CUPTI sums the kernels of both GPUs: per GPU = / n_devices
+                per = a.repeats * a.layers * mesh.size
+                out["kernel_us_per_gpu"] = kt[0] * 1e3 / per
+                out["top_kernels_us_per_gpu"] = [[name, ms * 1e3 * a.repeats / per] for name, ms in kt[1]]
+        if not a.dispatch_only:
+            out["ep_moe_us"] = timed(chained(layer(None), a.layers), zb, ib, wb, experts,
+                                     repeats=a.repeats) / a.layers * 1e6
+    return out
 
 
 def step_bench(a, out: dict, deadline: float, save) -> None:
@@ -193,16 +227,17 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
 
 
 def summary(out: dict) -> str:
-    lines = ["ep batch variant   dispatch+combine us   EP MoE layer us   1-GPU same experts us   rel err"]
+    lines = ["ep batch variant    dispatch+combine us (wall, kernels/GPU)   EP MoE layer us   1-GPU same experts us   "
+             "rel err"]
     for r in out.get("moe_layer", []):
         if "error" in r or "skipped" in r:
             why = r.get("error") or "skipped: " + r["skipped"]
-            lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:9s} {why}")
+            lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:10s} {why}")
             continue
-        s = r["single_gpu_local_experts_us"]
-        lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:9s} {r['dispatch_combine_us']:18.1f} "
-                     f"{r['ep_moe_us']:17.1f} {'-' if s is None else f'{s:.1f}':>22s} "
-                     f"{r['rel_err_vs_single_device']:9.2e}")
+        s, full, kern = r["single_gpu_local_experts_us"], r.get("ep_moe_us"), r.get("kernel_us_per_gpu")
+        lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:10s} {r['dispatch_combine_us']:9.1f} "
+                     f"{'-' if kern is None else f'{kern:.1f}':>9s} {'-' if full is None else f'{full:.1f}':>17s} "
+                     f"{'-' if s is None else f'{s:.1f}':>22s} {r['rel_err_vs_single_device']:9.2e}")
     for r in out.get("rows", []):
         if r["status"] != "ok":
             lines.append(f"step {r['mesh']} {r['ep_variant']} batch {r['batch']}: {r['status']}: {r['reason']}")
@@ -222,12 +257,12 @@ def parse_args(argv=None):
     p.add_argument("--intermediate", type=int, default=3072)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--batches", default="1,8,64,256", help="tokens per step, both phases")
-    p.add_argument("--variants", default="ragged,a2a,allgather", help="layer phase dispatch variants")
+    p.add_argument("--variants", default=",".join(moe_parallel.VARIANTS), help="layer phase dispatch variants")
     p.add_argument("--layers", type=int, default=8, help="chained layers per timed call")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--step-mesh", default=None, help="step phase mesh (default: ep=<largest --ep>; '' = no step phase)")
     p.add_argument("--preset", default=None, help="step phase preset (default: k3-h200x<ep> for the step mesh)")
-    p.add_argument("--step-variants", default="allgather,a2a,ragged")
+    p.add_argument("--step-variants", default="packed,allgather,ragged")
     p.add_argument("--context", type=int, default=1024, help="step phase: cached tokens per sequence")
     p.add_argument("--step-steps", type=int, default=4, help="step phase: timed steps per point (k3jax.bench)")
     p.add_argument("--warmup", type=int, default=1)
@@ -235,6 +270,9 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540, help="start no new point after this long")
     p.add_argument("--layer-budget-s", type=float, default=None, help="end the layer phase after this long "
                    "(default: half of --budget-s when there is a step phase)")
+    p.add_argument("--dispatch-only", action="store_true",
+                   help="layer phase: dispatch+combine only (identity expert; exactness checked with an "
+                   "id-dependent elementwise stand-in), no MXFP4 experts, no full EP layer")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes (16 experts, k3-tiny) on CPU devices: a2a, allgather; ragged skipped")
     p.add_argument("--out", required=True)
@@ -274,6 +312,7 @@ def main(argv=None) -> int:
                                                                                  else argv)]),
                     "dtype": a.dtype, "steps": a.step_steps, "warmup": a.warmup,
                     "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+                    "env": {v: os.environ[v] for v in ("XLA_FLAGS", "NCCL_PROTO", "NCCL_ALGO") if v in os.environ},
                     "state": "k3jax.bench: random decode state at lengths = context", "args": vars(a)},
            "moe_layer": [], "rows": []}
     save = lambda: atomic.write_json(a.out, out)  # noqa: E731 - after every point: survives a kill

@@ -11,7 +11,6 @@ or a process without a GPU, fall back to the reference with one log line per rea
 
 from __future__ import annotations
 
-import logging
 import math
 
 import jax
@@ -20,17 +19,7 @@ import jax.numpy as jnp
 from cute_bridge import loader
 from cute_bridge.kernel_set import GEMV_ROWS
 from k3jax import ops
-from pallas_kernels.registry import register
-
-log = logging.getLogger("cute_bridge")
-_said: set[tuple[str, str]] = set()
-
-
-def _fallback(op: str, reason: str):
-    if (op, reason) not in _said:
-        _said.add((op, reason))
-        log.warning("cute %s: %s; using the XLA reference", op, reason)
-    return getattr(ops, op)
+from pallas_kernels.registry import fallback, register
 
 
 def _runnable() -> str | None:
@@ -48,7 +37,7 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
         f"K={k} is not a multiple of 8" if k % 8 or weight.shape[-1] != k else
         f"{rows} rows > {GEMV_ROWS[-1]} (a GEMV covers decode batches)" if rows > GEMV_ROWS[-1] or rows == 0 else None)
     if reason:
-        return _fallback("linear", reason)(x, weight)
+        return fallback("linear", "cute", reason)(x, weight)
     r = next(r for r in GEMV_ROWS if r >= rows)
     x2 = jnp.pad(x.reshape(rows, k), ((0, r - rows), (0, 0)))
     (y,) = loader.call(f"gemv_r{r}", x2, weight)
@@ -71,7 +60,7 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
         "needs bf16 activations" if z.dtype != jnp.bfloat16 else
         f"hidden {m} and intermediate {inter} must be multiples of 32" if m % 32 or inter % 32 else None)
     if reason:
-        return _fallback("moe_experts", reason)(z, ids, weights, experts, act=act, beta=beta,
+        return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
     gate, up = loader.call("moe_gate_up", z, flat_ids, _words(experts.w1), experts.s1,

@@ -54,8 +54,12 @@ ROTATE_BYTES = 4 * L2_BYTES     # the rotation's working set: several times the 
 MAX_COPIES = 48
 
 
-def _kernel_ms(launch, n: int) -> float | None:
-    """Sum of GPU kernel durations (ms) of `launch(0..n-1)`, via CUPTI; None if unavailable."""
+TOP_KERNELS = 6
+
+
+def _kernel_times(launch, n: int) -> tuple[float, list[tuple[str, float]]] | None:
+    """GPU kernel time of `launch(0..n-1)` via CUPTI: (total ms, the TOP_KERNELS kernel names
+    with the most time, ms per launch each); None if CUPTI is unavailable."""
     try:
         from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
         ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -63,28 +67,40 @@ def _kernel_ms(launch, n: int) -> float | None:
     except Exception:  # noqa: BLE001 - no CUPTI: the caller falls back to wall clock
         return None
     try:
-        jax.block_until_ready([launch(i) for i in range(n)])
+        outs = jax.tree.leaves([launch(i) for i in range(n)])
+        # A decode step donates its input buffers: block on the outputs still alive.
+        jax.block_until_ready([x for x in outs if not x.is_deleted()])
     finally:
         timings = ext._cupti_get_timings(True)
-    return sum(t for _, t in timings) if timings else None
+    if not timings:
+        return None
+    by_name: dict[str, float] = {}
+    for name, ms in timings:
+        by_name[name] = by_name.get(name, 0.0) + ms / n
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    return sum(ms for _, ms in timings), [(name[:120], ms) for name, ms in top]
 
 
-def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict[str, float]:
-    """Median per-call device time and wall time (seconds) of jitted `fn` over rotating inputs."""
+def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
+    """Median per-call device time and wall time (seconds) of jitted `fn` over rotating inputs,
+    and (GPU) the kernels that take the most device time per call: [[name, seconds], ...]."""
     run = jax.jit(fn)
     jax.block_until_ready([run(*a) for a in arg_sets])      # compile + warm up
     n = len(arg_sets)
-    dev, wall = [], []
+    dev, wall, top = [], [], []
     for _ in range(rounds):
-        ms = _kernel_ms(lambda i: run(*arg_sets[i]), n)
-        if ms is not None:
-            dev.append(ms * 1e-3 / n)
+        timed = _kernel_times(lambda i: run(*arg_sets[i]), n)
+        if timed is not None:
+            dev.append(timed[0] * 1e-3 / n)
+            top = timed[1]
         t0 = time.perf_counter()
         jax.block_until_ready([run(*a) for a in arg_sets])
         wall.append((time.perf_counter() - t0) / n)
     out = {"wall_s": statistics.median(wall)}
     out["device_s"] = statistics.median(dev) if dev else out["wall_s"]
     out["timer"] = "cupti" if dev else "wall"
+    if top:
+        out["top_kernels"] = [[name, ms * 1e-3] for name, ms in top]
     return out
 
 
@@ -96,12 +112,18 @@ def measure_copy_bandwidth(nbytes: int | None = None) -> float:
     return 2 * nbytes / t["device_s"]
 
 
-def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str = "k3", log=print) -> dict:
+def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str = "k3", log=print,
+              on_row=None) -> dict:
+    """Per-op timings (see the module doc); `on_row(result)` after every row (partial results)."""
     from pallas_kernels import registry
 
     copy_bw = measure_copy_bandwidth()
     log(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
     rows = []
+    dev = jax.devices()[0]
+    result = {"meta": {"kind": "ops", "device": dev.device_kind, "jax": jax.__version__,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth": copy_bw},
+              "rows": rows}
     for op in ops:
         spec = registry.specs().get(op)
         if spec is None:
@@ -129,6 +151,8 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                     rows.append({"op": op, "case": case.name, "batch": case.batch, "backend": backend,
                                  "error_message": f"{type(e).__name__}: {str(e)[:300]}", "correct": False})
                     log(f"{op:12s} {case.name:24s} {backend:7s} FAILED {type(e).__name__}: {str(e)[:200]}")
+                    if on_row:
+                        on_row(result)
                     continue
                 row = {"op": op, "case": case.name, "batch": case.batch, "backend": backend,
                        "bytes": nbytes, "flops": flops, "copies": copies, **t,
@@ -140,11 +164,12 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                 log(f"{op:12s} {case.name:24s} {backend:7s} {t['device_s'] * 1e6:9.1f} us "
                     f"{row['tb_per_s']:5.2f} TB/s {row['frac_copy_bw']:6.1%}  err {err:.1e}"
                     f"{'' if row['correct'] else '  WRONG'}")
+                if "top_kernels" in t:
+                    log("    top kernels: " + "; ".join(f"{n[:48]} {sec * 1e6:.1f} us" for n, sec in t["top_kernels"][:3]))
+                if on_row:
+                    on_row(result)
             del arg_sets, first, ref
-    dev = jax.devices()[0]
-    return {"meta": {"kind": "ops", "device": dev.device_kind, "jax": jax.__version__,
-                     "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy_bandwidth": copy_bw},
-            "rows": rows}
+    return result
 
 
 def summary_table(result: dict) -> str:
@@ -295,10 +320,13 @@ def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup
         advance()
     jax.block_until_ready(out)
     step_s = (time.perf_counter() - t0) / steps
-    kernel_ms = _kernel_ms(advance, steps) if on_gpu else None
-    return {"compile_s": compile_s, "steps": steps, "latency_s_median": float(np.median(lat)),
-            "latency_s_p90": float(np.percentile(lat, 90)), "step_s": step_s,
-            "kernel_s": kernel_ms * 1e-3 / steps if kernel_ms else None}
+    timed = _kernel_times(advance, steps) if on_gpu else None
+    out = {"compile_s": compile_s, "steps": steps, "latency_s_median": float(np.median(lat)),
+           "latency_s_p90": float(np.percentile(lat, 90)), "step_s": step_s,
+           "kernel_s": timed[0] * 1e-3 / steps if timed else None}
+    if timed:
+        out["top_kernels"] = [[name, ms * 1e-3] for name, ms in timed[1]]
+    return out
 
 
 def _is_oom(e: Exception) -> bool:
@@ -332,7 +360,11 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
 
     def add(row: dict) -> None:
         rows.append(row)
-        if row["status"] != "ok":
+        if row["status"] == "ok":
+            say(f"{row['backend']}/{row['granularity']} batch {row['batch']} context {row['context']}: "
+                f"{row['step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s, "
+                f"{row['roofline_fraction']:.1%} of roofline (compile {row['compile_s']:.0f} s)")
+        else:
             where = f"batch {row['batch']} context {row['context']}: " if row.get("batch") else ""
             say(f"skip {row['backend']}/{row['granularity']} ({row['expert_format']}): {where}{row['reason']}")
         if on_row:
@@ -658,10 +690,11 @@ def main(argv=None) -> int:
         print(f"results: {out}, {stem}.md" + "".join(f", {q}" for q in plots))
         return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
     ops = a.ops or list(REFERENCES)
-    result = bench_ops(ops, (a.backends or "xla,pallas").split(","),
-                       set(_ints(a.batches or "1,8,32,128", "--batches")), a.sizes)
     out = a.out or f"benchmarks/results/ops-{stamp}.json"
-    atomic.write_text(out, json.dumps(result, indent=1))
+    save = lambda res: atomic.write_text(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
+    result = bench_ops(ops, (a.backends or "xla,pallas").split(","),
+                       set(_ints(a.batches or "1,8,32,128", "--batches")), a.sizes, on_row=save)
+    save(result)
     print(summary_table(result))
     print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")
     return 0 if all(r["correct"] for r in result["rows"]) else 1

@@ -45,8 +45,20 @@ class DecodeState:
         return mla[0].latent.shape[1] if mla else 1 << 62
 
 
+# The MLA cache holds a whole number of CACHE_BLOCK-token blocks: decode-attention kernels tile
+# the sequence by 64 tokens (pallas_kernels.mla_decode.BLOCK_L), so a cache of any other length
+# would send them to the reference. The extra positions are masked like any unfilled one.
+CACHE_BLOCK = 64
+
+
+def cache_length(max_len: int) -> int:
+    """Allocated MLA cache positions for sequences of up to `max_len` tokens."""
+    return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
+
+
 def init_state(cfg: K3Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> DecodeState:
-    """Zeroed state for `batch_size` sequences of up to `max_len` tokens."""
+    """Zeroed state for `batch_size` sequences of up to `max_len` tokens (the MLA cache holds
+    `cache_length(max_len)` positions)."""
     layers = []
     for kind in cfg.layer_kinds:
         if kind == "kda":
@@ -55,12 +67,12 @@ def init_state(cfg: K3Config, batch_size: int, max_len: int, dtype=jnp.bfloat16)
                                    recurrent=jnp.zeros((batch_size, h, hd, hd), jnp.float32)))
         else:
             width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-            layers.append(MLAState(latent=jnp.zeros((batch_size, max_len, width), dtype)))
+            layers.append(MLAState(latent=jnp.zeros((batch_size, cache_length(max_len), width), dtype)))
     return DecodeState(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
 
 
 def state_bytes(cfg: K3Config, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
     """Bytes `init_state` allocates."""
     kda = (cfg.kda_conv_size - 1) * 3 * cfg.kda_dim * dtype_bytes + cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
-    mla = max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    mla = cache_length(max_len) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
     return batch_size * (len(cfg.kda_layers) * kda + len(cfg.mla_layers) * mla)

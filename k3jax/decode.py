@@ -36,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--mesh", metavar="SPEC",
                      help="device mesh, e.g. ep=8 or ep=2,tp=2 or dp=2,ep=4 (dp/ep/tp = data/expert/tensor "
                           "parallel; default: one device); see docs/expert_parallel.md")
-    src.add_argument("--ep-variant", default="auto", choices=["auto", "ragged", "a2a", "allgather"],
-                     help="expert-parallel dispatch/combine (default auto: on GPU allgather for small batches, "
+    src.add_argument("--ep-variant", default="auto", choices=["auto", "ragged", "a2a", "allgather", "packed",
+                                                                   "a2a_packed", "allreduce"],
+                     help="expert-parallel dispatch/combine (default auto: on GPU packed for small batches, "
                           "ragged above; a2a on CPU)")
     src.add_argument("--backend", default="xla", choices=["xla", "pallas", "cute"],
                      help="decode-op implementations (default xla); ops without a kernel fall back, see the report")

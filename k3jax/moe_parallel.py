@@ -19,8 +19,18 @@ Variants (`variant=`):
 - "allgather": all-gather the tokens over the expert axis, every rank runs its own experts on
   the slots routed to it, reduce-scatter the per-slot outputs back to the token owners (exact:
   each slot is non-zero on one rank only). No data-dependent communication; for tiny batches.
-- "auto": on GPU "allgather" up to ALLGATHER_MAX_TOKENS tokens per expert group, "ragged"
+- "packed": "allgather" with the expert ids carried in the latent rows (`_pack`): one
+  all-gather there, one reduce-scatter back, two collectives in all.
+- "a2a_packed": "a2a" with the local expert ids carried in the rows: two all_to_alls.
+- "allreduce": "packed" with both collectives as all-reduces (sums with zeros: exact), so XLA's
+  own peer-to-peer collective kernels (`--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE`,
+  one-shot up to 256 KB) can replace NCCL.
+- "auto": on GPU "packed" up to ALLGATHER_MAX_TOKENS tokens per expert group, "ragged"
   above (BENCHMARKS.md); "a2a" elsewhere.
+
+The ids travel inside the payload as base-2^p digits (p = the dtype's significand bits, at most
+16), each an integer the payload dtype holds exactly: a copy and a sum with zeros keep them
+(bit-casting them instead would make denormals a flush-to-zero reduction could erase).
 """
 
 from __future__ import annotations
@@ -34,12 +44,15 @@ from jax.sharding import PartitionSpec as P
 from k3jax import ops
 
 f32 = jnp.float32
-VARIANTS = ("ragged", "a2a", "allgather")
+VARIANTS = ("ragged", "a2a", "allgather", "packed", "a2a_packed", "allreduce")
 AXIS = "expert"
 TOKEN_AXES = ("data", "expert")
-# Measured on 2x H200, ep=2 (BENCHMARKS.md): dispatch+combine allgather 134/211/218 us at 1/8/64
-# tokens vs ragged 257/337/1026 us and a2a 113/252/936 us. allgather's traffic and wasted expert
-# rows grow with ep: re-measure before trusting this threshold on larger meshes.
+# Measured on 2x H200, ep=2, NCCL (BENCHMARKS.md, 2026-11-30 v2): dispatch+combine per layer at
+# 1/8/64 tokens: packed 72/106/107 us (kernels 26/43/55 us per GPU), allreduce 84/94/134,
+# allgather 104/114/114, a2a 103/124/805, a2a_packed 87/144/779, ragged 192/227/965. packed
+# (2 collectives) beats allgather at every size and ragged/a2a by 1.4-9x; allreduce is within
+# run-to-run noise (~20%) of it. The gathered traffic and wasted expert rows grow with ep:
+# re-measure before trusting this threshold on larger meshes.
 ALLGATHER_MAX_TOKENS = 64
 
 
@@ -59,7 +72,7 @@ def resolve_variant(variant: str, tokens_per_group: int, platform: str | None = 
     platform = platform or jax.default_backend()
     if platform not in ("gpu", "cuda", "rocm"):
         return "a2a"
-    return "allgather" if tokens_per_group <= ALLGATHER_MAX_TOKENS else "ragged"
+    return "packed" if tokens_per_group <= ALLGATHER_MAX_TOKENS else "ragged"
 
 
 def _expert_rows(rows, local_ids, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
@@ -79,19 +92,48 @@ def _destinations(ids, valid, e_local: int, ep: int):
     return dest, ids.reshape(-1) % e_local
 
 
-def _a2a(z, ids, weights, valid, experts, *, expert_fn):
+def _id_digits(dtype, num_ids: int) -> tuple[int, int]:
+    """(base, digits): an id < num_ids as `digits` base-`base` digits, each exact in `dtype`."""
+    base = 2 ** min(jnp.finfo(dtype).nmant + 1, 16)           # bf16: 256, float16: 2048, float32: 65536
+    digits = 1
+    while base ** digits < num_ids:
+        digits += 1
+    return base, digits
+
+
+def _pack(z, ids, num_ids: int) -> jax.Array:
+    """z [n, M], ids [n, k] (< num_ids) -> [n, M + k * digits] in z's dtype: the ids as digits."""
+    base, d = _id_digits(z.dtype, num_ids)
+    digits = jnp.stack([(ids // base ** j) % base for j in range(d)], -1).reshape(ids.shape[0], -1)
+    return jnp.concatenate([z, digits.astype(z.dtype)], axis=1)
+
+
+def _unpack(rows, m: int, k: int, num_ids: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of `_pack`: rows [n, M + k * digits] -> (z [n, M], ids [n, k] int32)."""
+    base, d = _id_digits(rows.dtype, num_ids)
+    digits = rows[:, m:].astype(jnp.int32).reshape(rows.shape[0], k, d)
+    return rows[:, :m], sum(digits[..., j] * base ** j for j in range(d))
+
+
+def _a2a(z, ids, weights, valid, experts, *, expert_fn, packed=False):
     n, k = ids.shape
+    m = z.shape[1]
     ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
     dest, local = _destinations(ids, valid, e_local, ep)
     onehot = dest[:, None] == jnp.arange(ep)[None]                              # [pairs, ep]
     pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, ep - 1)[:, None], 1)[:, 0]
     rows = z[jnp.arange(pairs) // k]
+    if packed:  # one all_to_all carries the local ids too (unwritten rows decode to id 0: unused)
+        rows = _pack(rows, local[:, None], e_local)
     # Padding pairs have dest == ep: mode="drop" leaves them out of the buffers.
-    send = jnp.zeros((ep, pairs, z.shape[1]), z.dtype).at[dest, pos].set(rows, mode="drop")
-    send_ids = jnp.zeros((ep, pairs), jnp.int32).at[dest, pos].set(local, mode="drop")
-    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)
-    recv_ids = jax.lax.all_to_all(send_ids, AXIS, 0, 0, tiled=True)
-    y = expert_fn(recv.reshape(ep * pairs, -1), recv_ids.reshape(-1), experts)
+    send = jnp.zeros((ep, pairs, rows.shape[1]), z.dtype).at[dest, pos].set(rows, mode="drop")
+    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(ep * pairs, -1)
+    if packed:
+        recv, recv_ids = _unpack(recv, m, 1, e_local)
+    else:
+        send_ids = jnp.zeros((ep, pairs), jnp.int32).at[dest, pos].set(local, mode="drop")
+        recv_ids = jax.lax.all_to_all(send_ids, AXIS, 0, 0, tiled=True)
+    y = expert_fn(recv, recv_ids.reshape(-1), experts)
     back = jax.lax.all_to_all(y.reshape(ep, pairs, -1), AXIS, 0, 0, tiled=True)
     per_slot = back[jnp.minimum(dest, ep - 1), pos].reshape(n, k, -1)
     return _combine(per_slot, weights, z.dtype)
@@ -128,20 +170,48 @@ def _ragged(z, ids, weights, valid, experts, *, expert_fn):
     return _combine(per_slot, weights, z.dtype)
 
 
+def _gathered_experts(z_all, ids_all, experts, expert_fn) -> jax.Array:
+    """Every token of the group [ep*n, M] / [ep*n, k] -> per-slot outputs [ep*n, k, M] of this
+    rank's experts, zero on the slots other ranks own."""
+    k, e_local = ids_all.shape[1], experts.num_experts
+    mine = (ids_all // e_local == jax.lax.axis_index(AXIS)).reshape(-1)
+    y = expert_fn(z_all[jnp.arange(ids_all.size) // k], (ids_all % e_local).reshape(-1), experts)
+    return jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)).reshape(-1, k, z_all.shape[1])
+
+
 def _allgather(z, ids, weights, valid, experts, *, expert_fn):
-    n, k = ids.shape
-    e_local = experts.num_experts
-    me = jax.lax.axis_index(AXIS)
     z_all = jax.lax.all_gather(z, AXIS, tiled=True)                             # [ep*n, M]
     ids_all = jax.lax.all_gather(ids, AXIS, tiled=True)                         # [ep*n, k]
-    mine = (ids_all // e_local == me).reshape(-1)
-    y = expert_fn(z_all[jnp.arange(ids_all.size) // k], (ids_all % e_local).reshape(-1), experts)
-    y = jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)).reshape(-1, k, z.shape[1])
+    y = _gathered_experts(z_all, ids_all, experts, expert_fn)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
     return _combine(per_slot, weights, z.dtype)
 
 
-_IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather}
+def _packed(z, ids, weights, valid, experts, *, expert_fn):
+    n, k = ids.shape
+    num_ids = experts.num_experts * jax.lax.axis_size(AXIS)
+    rows = jax.lax.all_gather(_pack(z, ids, num_ids), AXIS, tiled=True)        # [ep*n, M + c]
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn)
+    per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
+    return _combine(per_slot, weights, z.dtype)
+
+
+def _allreduce(z, ids, weights, valid, experts, *, expert_fn):
+    n, k = ids.shape
+    ep, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    num_ids = experts.num_experts * ep
+    mine = _pack(z, ids, num_ids)
+    # My rows in my slot, zeros elsewhere: the sum over ranks is the all-gather, exactly.
+    rows = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((ep * n, mine.shape[1]), mine.dtype), mine, me * n, 0), AXIS)
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn)
+    # One rank non-zero per slot: the sum is exact; keep my tokens' rows.
+    per_slot = jax.lax.dynamic_slice_in_dim(jax.lax.psum(y, AXIS), me * n, n, 0)
+    return _combine(per_slot, weights, z.dtype)
+
+
+_IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather, "packed": _packed,
+          "a2a_packed": partial(_a2a, packed=True), "allreduce": _allreduce}
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,

@@ -48,17 +48,24 @@ def code_values(codes: jax.Array) -> jax.Array:
     return jnp.where(codes >= 8, -magnitude, magnitude)
 
 
-def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
-    """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype.
+def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+    """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> the even and the odd
+    input columns of W, each [..., out, in/2] in dtype (low and high nibbles of each byte).
 
-    Pure integer/float elementwise arithmetic (no table lookup), so XLA fuses the whole decode
-    into one pass that reads the packed bytes and writes `dtype`. An E2M1 code (sign s, exponent
-    e, mantissa m) is m/2 for e = 0 and (1 + m/2) * 2^(e-1) otherwise; multiplying by the
-    power-of-two scale is exact in float32 for scale codes 1..254.
+    Pure integer/float elementwise arithmetic on the packed bytes (no table lookup, no
+    interleaving), so XLA fuses each half into one pass over the bytes. An E2M1 code (sign s,
+    exponent e, mantissa m) is m/2 for e = 0 and (1 + m/2) * 2^(e-1) otherwise; multiplying by
+    the power-of-two scale is exact in float32 for scale codes 1..254.
     """
-    value = code_values(unpack_codes(packed))
-    grouped = value.reshape(*value.shape[:-1], scale.shape[-1], GROUP) * _pow2(scale)[..., None]
-    return grouped.reshape(value.shape).astype(dtype)
+    per_byte = _pow2(jnp.repeat(scale, GROUP // 2, axis=-1))              # one scale per packed byte
+    return tuple((code_values(c) * per_byte).astype(dtype) for c in (packed & 0x0F, packed >> 4))
+
+
+def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype:
+    `dequantize_halves` interleaved back into column order."""
+    even, odd = dequantize_halves(packed, scale, dtype)
+    return jnp.stack([even, odd], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

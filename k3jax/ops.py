@@ -295,6 +295,13 @@ class ExpertWeights:
                          for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
         return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
 
+    def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as its even and
+        odd input columns ((w1_even, w1_odd), (w3_even, w3_odd), (w2_even, w2_odd)), each
+        [U, out, in/2]: the low / high nibbles of the packed bytes, so nothing interleaves."""
+        return tuple(mxfp4.dequantize_halves(w[ids], s[ids], dtype)
+                     for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+
 
 DENSE_DISPATCH_MAX_TOKENS = 64  # up to this many tokens, run each distinct expert on every token
 
@@ -337,12 +344,20 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
         return ids_c, experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
 
     if n <= DENSE_DISPATCH_MAX_TOKENS:
+        def expert_dot(spec, x, w):
+            if experts.is_mxfp4:   # x @ w.T as even + odd input columns: no nibble interleave
+                even, odd = w
+                out = (jnp.einsum(spec, x[..., 0::2], even, preferred_element_type=f32)
+                       + jnp.einsum(spec, x[..., 1::2], odd, preferred_element_type=f32))
+            else:
+                out = jnp.einsum(spec, x, w, preferred_element_type=f32)
+            return out.astype(z.dtype)
+
         def run_chunk(c):
-            _, (w1, w3, w2) = chunk_weights(c)
-            gate = jnp.einsum("nm,uim->uni", z, w1, preferred_element_type=f32).astype(z.dtype)
-            up = jnp.einsum("nm,uim->uni", z, w3, preferred_element_type=f32).astype(z.dtype)
-            y = jnp.einsum("uni,umi->unm", glu(gate, up, act, beta, linear_beta), w2,
-                           preferred_element_type=f32).astype(z.dtype)
+            ids_c = jnp.minimum(jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk), n_exp - 1)
+            w1, w3, w2 = (experts.gather_halves if experts.is_mxfp4 else experts.gather)(ids_c, z.dtype)
+            gate, up = expert_dot("nm,uim->uni", z, w1), expert_dot("nm,uim->uni", z, w3)
+            y = expert_dot("uni,umi->unm", glu(gate, up, act, beta, linear_beta), w2)
             return jnp.einsum("un,unm->nm", jax.lax.dynamic_slice_in_dim(coef, c * chunk, chunk), y.astype(f32))
 
         out = run_chunk(0) if n_chunks == 1 else jax.lax.fori_loop(

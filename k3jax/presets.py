@@ -5,6 +5,7 @@ fields overridden), turned into a `K3Config` by `get_preset`.
 | -------------------- | --------------------------------------------------------------------- |
 | k3-full              | Kimi K3's published text config (2.78T params; planning, multi-host)  |
 | k3-tiny              | every K3 structural feature, seconds on 2 CPU cores                   |
+| k3-small             | smallest K3 every Pallas kernel takes (CPU interpret-mode parity)     |
 | k3-h200              | 12 layers at K3's real per-layer shapes, 448 MXFP4 experts (~106 GB)  |
 | k3-h200x2            | as k3-h200 with all 896 experts, for 2 GPUs expert-parallel           |
 | k3-h200x4            | 20 layers, all 896 experts, for 4 GPUs ep=4 (~104 GB per GPU)         |
@@ -165,6 +166,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 9 layers: dense layer 0, MLA at 1-indexed 4, 8 and the extra final 9; AttnRes blocks of 4
     # leave a partial final block (layer 8 alone); 2 shared experts; latent 32 < hidden 64.
     "k3-tiny": _k3(**_TINY_K3),
+    # The smallest K3 whose every decode op has a shape the Pallas kernels take (widths multiples
+    # of 512 / 128 / 64, KDA head dim 64, MLA latent 128 + rope 64): whole-model kernel parity on
+    # CPU in interpret mode.
+    "k3-small": _k3(
+        vocab_size=512, hidden_size=512, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+        num_experts=64, num_experts_per_token=4, moe_intermediate_size=512, routed_expert_hidden_size=512,
+        attn_res_block_size=2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        linear_attn_config={**_layers(4), "num_heads": 2, "head_dim": 64}),
     # One full AttnRes block of real-shape layers: 9 KDA + 3 MLA, half the experts.
     "k3-h200": _k3(num_hidden_layers=12, num_experts=448, linear_attn_config=_layers(12)),
     "k3-h200x2": _k3(num_hidden_layers=12, linear_attn_config=_layers(12)),

@@ -81,7 +81,8 @@ def _mix(cand: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) 
 def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) -> jax.Array:
     """Same contract as k3jax.ops.attn_res_mix: candidates [N, ..., D] -> [..., D] in their dtype."""
     if not covers(candidates.shape, candidates.dtype):
-        return ops.attn_res_mix(candidates, norm_weight, query, eps)
+        why = f"candidates {candidates.dtype}{list(candidates.shape)} not covered"
+        return registry.fallback("attn_res_mix", "pallas", why)(candidates, norm_weight, query, eps)
     n, lead, d = candidates.shape[0], candidates.shape[1:-1], candidates.shape[-1]
     rows = math.prod(lead)
     out = _mix(candidates.reshape(n, rows, d), norm_weight, query, eps)

@@ -27,7 +27,6 @@ one program's TMA-in / compute / TMA-out latency; from B = 2 the grid fills the 
 
 from __future__ import annotations
 
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +36,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from k3jax import ops
 from pallas_kernels import mgpu, registry
 
-log = logging.getLogger(__name__)
 
 WGMMA = plgpu.Layout.WGMMA
 ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / columns (value)
 f32 = jnp.float32
 # float32 rows in 128-byte swizzled tiles: bank-conflict-free loads/stores in the wgmma layout.
 STATE_TILING = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-_logged: set[str] = set()
 
 
 def unsupported(conv_state, qkv, f, num_heads: int, lower_bound) -> str | None:
@@ -141,11 +138,9 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     """Same contract as k3jax.ops.kda_decode."""
     why = unsupported(conv_state, qkv, f, num_heads, lower_bound)
     if why is not None:
-        if why not in _logged:
-            _logged.add(why)
-            log.info("kda_decode: running the XLA reference (%s)", why)
-        return ops.kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                              num_heads=num_heads, lower_bound=lower_bound, eps=eps)
+        return registry.fallback("kda_decode", "pallas", why)(
+            conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
+            num_heads=num_heads, lower_bound=lower_bound, eps=eps)
     return _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                    num_heads=num_heads, lower_bound=lower_bound, eps=eps)
 

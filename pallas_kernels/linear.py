@@ -14,7 +14,6 @@ run the reference (k3jax.ops.linear) instead; `covers()` says which.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -38,18 +37,23 @@ def covers(x_shape, w_shape, x_dtype, w_dtype) -> bool:
             and out % BLOCK_OUT == 0 and din % 64 == 0 and 1 <= rows <= MAX_ROWS)
 
 
+def k_tiles(rows_padded: int, din: int, weight_rows: int = BLOCK_OUT) -> tuple[int, int]:
+    """(block_k, stages): the largest k tile (leaving at least two k steps) and stage count
+    whose SMEM (weight_rows weight rows + rows_padded activation rows, bf16, per stage) fits."""
+    return next(((bk, st) for bk in (256, 128, 64) for st in (4, 3, 2)
+                 if din % bk == 0 and din // bk >= 2
+                 and (weight_rows + rows_padded) * bk * 2 * st <= SMEM_BUDGET),
+                (64, 1))          # in == 64: a single k step
+
+
 def plan(rows_padded: int, out: int, din: int, sms: int) -> tuple[int, int, int]:
     """(block_k, pipeline stages, K splits) for one call.
 
-    The largest k tile (leaving at least two k steps) and stage count whose SMEM fits; then
-    the K split maximising (SM fill over whole waves: a tail wave idles SMs at a bandwidth-
-    bound step) x (weight bytes / (weight + partial-sum bytes)), with at least two pipeline
-    steps per block; ties go to the smaller split.
+    The k tile and stage count of `k_tiles`; then the K split maximising (SM fill over whole
+    waves: a tail wave idles SMs at a bandwidth-bound step) x (weight bytes / (weight +
+    partial-sum bytes)), with at least two pipeline steps per block; ties go to the smaller split.
     """
-    block_k, stages = next(((bk, st) for bk in (256, 128, 64) for st in (4, 3, 2)
-                            if din % bk == 0 and din // bk >= 2
-                            and (BLOCK_OUT + rows_padded) * bk * 2 * st <= SMEM_BUDGET),
-                           (64, 1))          # in == 64: a single k step
+    block_k, stages = k_tiles(rows_padded, din)
     k_steps = din // block_k
     tiles = out // BLOCK_OUT
     weight_bytes = out * din * 2
@@ -92,12 +96,7 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_OUT, n)))
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_OUT, n), jnp.float32))
-        def _store(o_smem):
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        mgpu.store_tile(acc, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, out, n), jnp.float32),
@@ -109,7 +108,8 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """Same contract as k3jax.ops.linear: x [..., in] @ weight[out, in].T -> [..., out] in x's dtype."""
     if not covers(x.shape, weight.shape, x.dtype, weight.dtype):
-        return ops.linear(x, weight)
+        why = f"x {x.dtype}{list(x.shape)}, weight {weight.dtype}{list(weight.shape)} not covered"
+        return registry.fallback("linear", "pallas", why)(x, weight)
     lead, din = x.shape[:-1], x.shape[-1]
     out = weight.shape[0]
     rows = math.prod(lead)

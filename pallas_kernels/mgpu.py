@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 H200_SMS = 132
@@ -46,6 +47,12 @@ def interpret_params() -> plgpu.InterpretGPUParams | None:
     return plgpu.InterpretGPUParams(detect_races=_state["detect_races"], uninitialized_memory="nan")
 
 
+def trace_mode() -> tuple[bool, bool, str]:
+    """What a kernel traced now depends on (compile vs interpret, race detection, backend):
+    part of the key of anything that caches traced kernels."""
+    return _state["force_compile"], _state["detect_races"], jax.default_backend()
+
+
 def races_found() -> bool:
     """Whether the interpreter's race detector has flagged a race since the last reset."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -67,6 +74,17 @@ def num_sms() -> int:
         if d.platform == "gpu":
             return getattr(d, "core_count", H200_SMS) or H200_SMS
     return H200_SMS
+
+
+def store_tile(value: jax.Array, dst) -> None:
+    """Inside a kernel: writes the register tile `value` to the GMEM ref `dst` (same shape and
+    dtype) through a scoped SMEM buffer and a TMA store, and waits until SMEM may be reused."""
+    def scoped(smem):
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    pl.run_scoped(scoped, plgpu.SMEM(value.shape, value.dtype))
 
 
 def warpgroup_params() -> plgpu.CompilerParams:

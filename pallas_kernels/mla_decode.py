@@ -163,7 +163,8 @@ def _partials(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
 def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
     """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype."""
     if not covers(q_nope.shape, latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
-        return ops.mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
+        why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
+        return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape
     c = latent.shape[-1]
     w = w_kv_b.reshape(h, -1, c)                                   # [H, N+V, C]

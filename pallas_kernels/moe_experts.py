@@ -6,23 +6,42 @@ dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected expert
 U = min(E, N*k), padded with E) run on every token, and a [U, N] coefficient matrix
 (ops.expert_dispatch) combines them - no sort, no scatter.
 
-Two Mosaic GPU kernels, both bandwidth-bound on the packed weights; every selected expert's
-bytes are read exactly once per call, padded expert slots read nothing:
+Two Mosaic GPU kernels, one warpgroup per program; every selected expert's bytes are read
+exactly once per call, padded expert slots read nothing:
   * gate/up: grid (I/64, U). A program streams 64 rows of w1 and w3 of its expert (TMA,
-    2-stage `emit_pipeline`, 512 input columns = 256 packed bytes + 16 scale bytes per row per
-    step) and dequantises them in registers: each 16-byte group (one scale) is decoded with
-    mxfp4.code_values (the reference's arithmetic, no table) into the low nibbles (even columns)
-    and high nibbles (odd columns), staged as bf16 [64, 64] swizzled SMEM tiles and multiplied
-    by wgmma (swap-AB: weights on the M side, tokens padded to 8 on N) against z's even and odd
-    columns. The epilogue applies ops.glu (the same jnp formula, on registers, float32) and the
-    token's routing coefficient, and writes h [U, I, Np] bf16.
+    `emit_pipeline`, 512 input columns = 256 packed bytes + 16 scale bytes per row per step),
+    dequantises them in registers and multiplies them by wgmma (swap-AB: weights on the M side,
+    tokens padded to 8 on N). The epilogue applies ops.glu (the same jnp formula, on registers,
+    float32) and the token's routing coefficient, and writes h [U, I, Np] bf16.
   * down: grid (M/64, S). A program owns 64 output features and U/S experts; for each valid
-    expert it streams w2 the same way against h (reordered to even/odd columns by a tiny XLA
-    transpose) and accumulates sum_u coef * h_u @ w2_u.T in one float32 wgmma accumulator, so
-    the combine is fused. S splits the experts so the grid fills the 132 SMs (as in linear.py);
-    a small XLA epilogue sums the S float32 partials, transposes and casts.
+    expert it streams w2 the same way against h and accumulates sum_u coef * h_u @ w2_u.T in one
+    float32 wgmma accumulator, so the combine is fused. S splits the experts so the grid fills
+    the 132 SMs; a small XLA epilogue sums the S float32 partials, transposes and casts.
+
+The decode (compiled path) works on whole 32-bit words, 8 codes at a time, with byte permutes:
+per half word, `prmt` looks up the low and high bytes of the bf16 magnitudes of 4 codes in two
+8-entry tables (derived from mxfp4.E2M1_VALUES), a third `prmt` picks the negative high byte by
+the code's sign bit, two more interleave the bytes into bf16 pairs, and one `fma.rn.bf16x2`
+applies the group's power-of-two scale (a normal bf16 2^(scale-127); exact, as E2M1 values have
+two significant bits) - about 2.75 instructions per weight instead of ~15 for elementwise float
+arithmetic. The bf16 pairs go straight into the register operand (A) of wgmma: no staging
+through shared memory. Each thread decodes the 16-byte groups its WGMMA register layout owns,
+which orders the contraction dimension differently from memory: within every 128 input columns,
+column 32q + 8k + 2b + n of the weights lands at position 32k + 8b + 2q + n (q: thread's column
+quad, k: word, b: byte, n: nibble). The activations (z, and h for the down kernel) are permuted
+the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB), which
+leaves the matrix product unchanged. In interpret mode (CPU) the interpreter cannot run inline
+PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize and
+staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and the tests run a
+numpy model of it (with the register placement of `_decode_quad`) against mxfp4.dequantize +
+permute_k, bit for bit, for every code in every byte position and the scale codes in use.
+Stages: as many (2-4) as keep a program under ~110 KB of SMEM, so two programs share an SM and
+one decodes while the other waits on its wgmma / TMA (batch 1: gate/up 2 stages, down 4).
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
-16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that.
+16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
+H200 (2026-11-30, CUPTI, E=448): batch 1 148 us (44% of the 4.3 TB/s copy rate; the previous
+elementwise decode through SMEM took 836 us), batch 8 836 us (54%; was 5604 us). Still bound by
+decode issue rate and latency (one warpgroup per program, two programs per SM), not by HBM.
 
 Anything else (bf16 experts, more than 64 tokens, M or I not a multiple of 512, non-bf16 z)
 runs the reference; `covers()` says which, and the first fallback per reason is logged.
@@ -31,32 +50,36 @@ runs the reference; `covers()` says which, and the first fallback per reason is 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax import mxfp4, ops
 from pallas_kernels import mgpu, registry
 
-log = logging.getLogger(__name__)
 
-BLOCK = 64                 # weight rows per program (wgmma M) and bf16 columns per swizzled tile
+BLOCK = 64                 # weight rows per program (wgmma M) and columns per wgmma K-tile
 BLOCK_IN = 512             # unpacked input columns per pipeline step: 256 packed bytes, 16 scale bytes
-CHUNKS = BLOCK_IN // 128   # [64, 64] bf16 tiles per step and nibble half
+KTILES = BLOCK_IN // BLOCK
+QUADS = BLOCK_IN // 128    # 128-column blocks per step: one 16-byte group per thread and row each
 MAX_TOKENS = 64
+SMEM_SHARE = 110 * 1024    # stages fitting this let two programs share an SM (latency hiding)
 SMEM_BUDGET = 220 * 1024   # of the H200's 227 KB per block
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
-ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # one value per accumulator row / column
-_logged: set[str] = set()
+COL = WGMMA.reduce(0)      # one value per accumulator column
 
 
 def _lane_params() -> plgpu.CompilerParams:
-    # Lane semantics: explicit register layouts for the in-register MXFP4 decode.
+    # Lane semantics: explicit register layouts (WGMMA) for the in-register decode.
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
@@ -79,83 +102,191 @@ def covers(z, ids, experts) -> bool:
     return unsupported(z, ids, experts) is None
 
 
-def _stages_and_buffers(n_pad: int) -> tuple[int, int]:
-    """(pipeline stages, staging-tile sets) that fit SMEM: double-buffered staging lets the next
-    chunk's decode overlap the previous chunk's wgmma."""
-    step = 2 * BLOCK * BLOCK_IN // 2 + 2 * BLOCK * BLOCK_IN // 32 + 2 * n_pad * BLOCK_IN // 2 * 2
-    tile = 2 * BLOCK * BLOCK * 2          # lo + hi bf16 staging tiles
-    for stages, sets in ((2, 2), (2, 1), (1, 1)):
-        if stages * step + sets * tile <= SMEM_BUDGET:
-            return stages, sets
+def permute_k(x: jax.Array) -> jax.Array:
+    """x [..., D] (D a multiple of 128) -> its columns in the kernels' contraction order: within
+    each 128 columns, column 32q + 8k + 2b + n moves to 32k + 8b + 2q + n (see module doc)."""
+    *lead, d = x.shape
+    nl = len(lead)
+    y = x.reshape(*lead, d // 128, 4, 4, 4, 2)                       # (q, k, b, n)
+    return y.transpose(*range(nl + 1), nl + 2, nl + 3, nl + 1, nl + 4).reshape(*lead, d)
+
+
+def _k_tiles(x: jax.Array) -> jax.Array:
+    """x [..., Np, D] -> [..., D/64, Np, 64]: permuted columns, 64-column wgmma K-tiles outermost
+    (a pipeline step's tiles are contiguous; wgmma operands cannot be strided views)."""
+    *lead, n, d = x.shape
+    return jnp.swapaxes(permute_k(x).reshape(*lead, n, d // BLOCK, BLOCK), -3, -2)
+
+
+# ------------------------------------------------------------------ the word decode (PTX)
+def _byte_tables() -> tuple[int, int, int, int]:
+    """prmt tables: low / high bytes of the bf16 bits of the 8 E2M1 magnitudes, 4 per word."""
+    bits = np.asarray(mxfp4.E2M1_VALUES, jnp.bfloat16).view(np.uint16).astype(np.uint64)
+    word = lambda b: int(sum(int(v) << (8 * i) for i, v in enumerate(b)))
+    lo, hi = bits & 0xFF, bits >> 8
+    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+
+
+LO_A, LO_B, HI_A, HI_B = _byte_tables()
+
+
+def _half(m: str, sel: str, out0: str, out1: str) -> tuple:
+    """4 codes (nibbles of the low 16 bits of m, sign selector sel) -> 2 scaled bf16 pairs."""
+    return (("prmt", "lo", LO_A, LO_B, m),              # low bytes of the magnitudes
+            ("prmt", "hp", HI_A, HI_B, m),              # high bytes, positive
+            ("or", "hn", "hp", 0x80808080),             # ... negative (bf16 sign = bit 15)
+            ("prmt", "hi", "hp", "hn", sel),            # per code: positive or negative
+            ("prmt", "x0", "lo", "hi", 0x5140),         # (byte 0 lo nibble, hi nibble) as bf16x2
+            ("prmt", "x1", "lo", "hi", 0x7362),         # (byte 1 ...)
+            ("fma", out0, "x0", "s"), ("fma", out1, "x1", "s"))
+
+
+# One packed word "w" (bytes b0..b3, low nibble = even column) and the group's scale "s" (bf16
+# 2^(scale-127) in both halves) -> "p0".."p3": (even, odd) column bf16 pairs of bytes b0..b3.
+# Ops on .b32 values; ints are immediates. `decode_word_ptx` emits it, tests interpret it.
+DECODE_PROGRAM: tuple = (
+    ("and", "m", "w", 0x77777777),                      # magnitude indices
+    ("shr", "t", "w", 1),
+    ("and", "t", "t", 0x44444444),                      # sign bit -> prmt selector bit 2 ...
+    ("or", "sel", "t", 0x32103210),                     # ... of selector (i | 4 * sign_i)
+    ("shr", "mh", "m", 16),
+    ("shr", "selh", "sel", 16),
+    *_half("m", "sel", "p0", "p1"),
+    *_half("mh", "selh", "p2", "p3"),
+)
+NEG_ZERO2 = 0x80008000     # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
+
+
+def decode_word_ptx() -> str:
+    """DECODE_PROGRAM as PTX: outputs $0..$3 = p0..p3, inputs $4 = w, $5 = s."""
+    names = {"w": "$4", "s": "$5", "p0": "$0", "p1": "$1", "p2": "$2", "p3": "$3"}
+    regs = sorted({op[1] for op in DECODE_PROGRAM} - set(names))
+    arg = lambda a: f"0x{a:08X}" if isinstance(a, int) else names.get(a, f"d_{a}")
+    lines = ["{", f".reg .b32 {', '.join(map(arg, regs))}, d_nz;", f"mov.b32 d_nz, 0x{NEG_ZERO2:08X};"]
+    for op, dst, *src in DECODE_PROGRAM:
+        args = ", ".join(arg(a) for a in (dst, *src))
+        lines.append({"and": "and.b32", "or": "or.b32", "shr": "shr.u32", "prmt": "prmt.b32",
+                      "fma": "fma.rn.bf16x2"}[op] + f" {args}" + (", d_nz;" if op == "fma" else ";"))
+    return "\n\t".join(lines + ["}"])
+
+
+def _decode_quad(w_s, s_s, quad: int):
+    """Compiled decode of K-tiles 2*quad and 2*quad+1 of a step: two bf16 [64, 64] arrays in the
+    WGMMA register layout (A operands). w_s [64, 256] uint8 and s_s [64, 16] uint8 in SMEM.
+
+    Thread (warp w, lane l) holds rows 16w + l//4 (+8) and, per K-tile, column pairs 8j + 2q
+    (q = l % 4, j = 0..7); it reads the 16-byte group 4*quad + q of its rows (4 words, 32 codes,
+    one scale) and puts word k's byte b at j = 4(k%2) + b of K-tile 2*quad + k//2.
+    """
+    tile = plgpu.ShapeDtypeStruct((BLOCK, BLOCK), jnp.bfloat16, layout=WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(tile, tile))
+    def decode(_, w_ref, s_ref):
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        c = lambda v: mgpu_utils.c(v, i32)
+        (w_stride, _), _ = ir.MemRefType(w_ref.type).get_strides_and_offset()
+        (s_stride, _), _ = ir.MemRefType(s_ref.type).get_strides_and_offset()
+        tid = mgpu_utils.thread_idx()
+        lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
+        group = arith.addi(arith.remui(lane, c(4)), c(4 * quad))
+        row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+        w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
+        words_ty = ir.VectorType.get((4,), i32)
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        regs = [np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape((BLOCK, BLOCK)), object) for _ in range(2)]
+        ptx = decode_word_ptx()
+        for r in range(2):
+            row = arith.addi(row0, c(8 * r))
+            w_off = arith.addi(arith.muli(row, c(w_stride)), arith.muli(group, c(16)))
+            words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
+            s_off = arith.addi(arith.muli(row, c(s_stride)), group)
+            code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
+            scale = arith.muli(code, c(0x00800080))      # bf16 bits of 2^(code-127), both halves
+            for k in range(4):
+                word = vector.extract(words, dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([k]))
+                pairs = mgpu_utils.inline_ptx(ptx, word, scale, result_types=[i32] * 4)
+                for b, p in enumerate(pairs):
+                    regs[k // 2][0, 4 * (k % 2) + b, 0, 0, r, 0, 0, 0, 0] = mgpu_utils.bitcast(p, pair_ty)
+        return tuple(mgpu_fa.FragmentedArray(_registers=x, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
+                     for x in regs)
+
+    return decode(w_s, s_s)
+
+
+def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
+    """acc[64, Np] += W_step @ x_step: W_step = w_s [64, 256] packed + s_s [64, 16] scales,
+    x_s [8, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
+    else an SMEM [64, 64] bf16 tile (interpret mode: mxfp4.dequantize, permuted, staged)."""
+    if stage_s is None:
+        for quad in range(QUADS):
+            for h, tile in enumerate(_decode_quad(w_s, s_s, quad)):
+                plgpu.wgmma(acc, tile, x_s.at[2 * quad + h].T)
+            plgpu.wgmma_wait(2)          # the previous quad's registers are free again
+        return
+    w = permute_k(mxfp4.dequantize(w_s[...], s_s[...]))
+    for t in range(KTILES):
+        stage_s[...] = w[:, t * BLOCK:(t + 1) * BLOCK]
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, stage_s, x_s.at[t].T)
+        plgpu.wgmma_wait(0)
+
+
+def _stages(n_pad: int, matrices: int) -> int:
+    """Pipeline stages: as many (<= 4) as let two programs share an SM, else as many as fit."""
+    step = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32) + KTILES * n_pad * BLOCK * 2
+    for budget, options in ((SMEM_SHARE, (4, 3, 2)), (SMEM_BUDGET, (2, 1))):
+        for stages in options:
+            if stages * step + BLOCK * BLOCK * 2 <= budget:   # + interpret mode's staging tile
+                return stages
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 
 
-def _decode_group(packed, scale):
-    """[64, 16] packed bytes, [64] scale codes -> (even, odd) columns [64, 16] bf16 (exact)."""
-    p = packed.astype(jnp.int32)
-    s = jax.lax.broadcast_in_dim(mxfp4._pow2(scale.astype(jnp.int32)), p.shape, (0,))
-    return tuple((mxfp4.code_values(c) * s).astype(jnp.bfloat16) for c in (p & 15, p >> 4))
-
-
-def _dequant_mma(acc, w_s, s_s, xe_s, xo_s, lo_s, hi_s, sets: int) -> None:
-    """acc[64, Np] += dequant(w tile [64, 256 bytes]) @ [xe | xo] tile, staging through SMEM."""
-    for c in range(CHUNKS):
-        b = c % sets
-        if sets == 1 or c >= 2:
-            plgpu.wgmma_wait(0 if sets == 1 else 2)   # the staging set about to be rewritten is free
-        parts = [_decode_group(plgpu.load(w_s.at[:, pl.ds(c * BLOCK + 16 * g, 16)], layout=WGMMA, optimized=False),
-                               plgpu.load(s_s.at[:, c * 4 + g], layout=ROW, optimized=False))
-                 for g in range(BLOCK // 16)]
-        lo_s[b] = jnp.concatenate([p[0] for p in parts], axis=1)
-        hi_s[b] = jnp.concatenate([p[1] for p in parts], axis=1)
-        plgpu.commit_smem()
-        plgpu.wgmma(acc, lo_s.at[b], xe_s.at[c].T)
-        plgpu.wgmma(acc, hi_s.at[b], xo_s.at[c].T)
-    plgpu.wgmma_wait(0)
-
-
-def _half_specs():
+def _weight_specs():
     return [plgpu.BlockSpec((BLOCK, BLOCK_IN // 2), lambda k: (0, k)),
             plgpu.BlockSpec((BLOCK, BLOCK_IN // 32), lambda k: (0, k))]
 
 
-def _x_specs(n_pad: int):
-    return [plgpu.BlockSpec((CHUNKS, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)] * 2
+def _x_spec(n_pad: int):
+    return plgpu.BlockSpec((KTILES, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)
 
 
-def _split_halves(x: jax.Array) -> jax.Array:
-    """x [Np, D] -> [2, D/128, Np, 64]: even then odd columns, 64-column tiles outermost, so a
-    pipeline step's tiles are contiguous (wgmma operands cannot be strided views)."""
-    n, d = x.shape
-    return x.reshape(n, d // 128, BLOCK, 2).transpose(3, 1, 0, 2)
+def _staging(body, compiled: bool):
+    """Runs body(stage_s): stage_s None when compiled, else a scoped SMEM staging tile."""
+    if compiled:
+        return body(None)
+    return pl.run_scoped(body, plgpu.SMEM((BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
 
 
-def _gate_up(zs, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
+def _gate_up(zt, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
     """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding)."""
-    _, _, n_pad, _ = zs.shape
+    _, n_pad, _ = zt.shape
     n_exp, inter, half = w1.shape
     u_n = uniq.shape[0]
-    stages, sets = _stages_and_buffers(n_pad)
+    stages = _stages(n_pad, 2)
+    compiled = mgpu.interpret_params() is None
 
-    def body(zs_g, uniq_g, coef_g, w1_g, s1_g, w3_g, s3_g, h_g):
+    def body(zt_g, uniq_g, coef_g, w1_g, s1_g, w3_g, s3_g, h_g):
         oi, ui = jax.lax.axis_index("o"), jax.lax.axis_index("u")
         eid = uniq_g[ui]
         rows = pl.ds(oi * BLOCK, BLOCK)
 
-        def scoped(lo_s, hi_s, o_s):
+        def scoped(o_s):
             @pl.when(eid < n_exp)
             def _compute():
-                def accumulate(acc_g, acc_u):
-                    def step(_, w1_s, s1_s, w3_s, s3_s, xe_s, xo_s):
-                        _dequant_mma(acc_g, w1_s, s1_s, xe_s, xo_s, lo_s, hi_s, sets)
-                        _dequant_mma(acc_u, w3_s, s3_s, xe_s, xo_s, lo_s, hi_s, sets)
+                def accumulate(acc_g, acc_u, stage_s):
+                    def step(_, w1_s, s1_s, w3_s, s3_s, x_s):
+                        _dequant_mma(acc_g, w1_s, s1_s, x_s, stage_s)
+                        _dequant_mma(acc_u, w3_s, s3_s, x_s, stage_s)
+                        plgpu.wgmma_wait(0)      # x_s's slot is refilled after the step
                     plgpu.emit_pipeline(
                         step, grid=(half * 2 // BLOCK_IN,),
-                        in_specs=_half_specs() * 2 + _x_specs(n_pad), max_concurrent_steps=stages,
-                    )(w1_g.at[eid, rows], s1_g.at[eid, rows], w3_g.at[eid, rows], s3_g.at[eid, rows],
-                      zs_g.at[0], zs_g.at[1])
+                        in_specs=_weight_specs() * 2 + [_x_spec(n_pad)], max_concurrent_steps=stages,
+                    )(w1_g.at[eid, rows], s1_g.at[eid, rows], w3_g.at[eid, rows], s3_g.at[eid, rows], zt_g)
                     return acc_g[...], acc_u[...]
-                gate, up = pl.run_scoped(accumulate, plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
+                gate, up = pl.run_scoped(
+                    lambda a, b: _staging(functools.partial(accumulate, a, b), compiled),
+                    plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
                 # The reference's formula on registers: bf16 projections, float32 activation.
                 h = ops.glu(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), act, beta, linear_beta)
                 cf = plgpu.load(coef_g.at[ui], layout=COL, optimized=False)
@@ -169,15 +300,13 @@ def _gate_up(zs, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
             plgpu.copy_smem_to_gmem(o_s, h_g.at[ui, rows])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.run_scoped(scoped, plgpu.SMEM((sets, BLOCK, BLOCK), jnp.bfloat16, transforms=TILED),
-                      plgpu.SMEM((sets, BLOCK, BLOCK), jnp.bfloat16, transforms=TILED),
-                      plgpu.SMEM((BLOCK, n_pad), jnp.bfloat16))
+        pl.run_scoped(scoped, plgpu.SMEM((BLOCK, n_pad), jnp.bfloat16))
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((u_n, inter, n_pad), jnp.bfloat16),
         grid=(inter // BLOCK, u_n), grid_names=("o", "u"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
-    )(zs, uniq, coef, w1, s1, w3, s3)
+    )(zt, uniq, coef, w1, s1, w3, s3)
 
 
 def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int) -> int:
@@ -196,48 +325,44 @@ def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int) ->
     return best[1]
 
 
-def _down(hs, uniq, w2, s2, splits: int):
+def _down(ht, uniq, w2, s2, splits: int):
     """float32 partials [S, M, Np] of sum_u w2_u @ h_u over each split's expert slots."""
-    u_n, _, _, n_pad, _ = hs.shape
+    u_n, _, n_pad, _ = ht.shape
     n_exp, m, half = w2.shape
     per = u_n // splits
-    stages, sets = _stages_and_buffers(n_pad)
+    stages = _stages(n_pad, 1)
+    compiled = mgpu.interpret_params() is None
 
-    def body(hs_g, uniq_g, w2_g, s2_g, o_g):
+    def body(ht_g, uniq_g, w2_g, s2_g, o_g):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         rows = pl.ds(oi * BLOCK, BLOCK)
 
-        def scoped(lo_s, hi_s):
-            def accumulate(acc):
-                @pl.loop(si * per, (si + 1) * per)
-                def _expert(u):
-                    eid = uniq_g[u]
+        def accumulate(acc, stage_s):
+            @pl.loop(si * per, (si + 1) * per)
+            def _expert(u):
+                eid = uniq_g[u]
 
-                    @pl.when(eid < n_exp)      # padded slots read no weights
-                    def _():
-                        plgpu.emit_pipeline(
-                            lambda _, w_s, s_s, he_s, ho_s: _dequant_mma(acc, w_s, s_s, he_s, ho_s, lo_s, hi_s, sets),
-                            grid=(half * 2 // BLOCK_IN,),
-                            in_specs=_half_specs() + _x_specs(n_pad), max_concurrent_steps=stages,
-                        )(w2_g.at[eid, rows], s2_g.at[eid, rows], hs_g.at[u, 0], hs_g.at[u, 1])
-                return acc[...]
-            return pl.run_scoped(accumulate, plgpu.ACC((BLOCK, n_pad)))
+                @pl.when(eid < n_exp)      # padded slots read no weights
+                def _():
+                    def step(_, w_s, s_s, x_s):
+                        _dequant_mma(acc, w_s, s_s, x_s, stage_s)
+                        plgpu.wgmma_wait(0)
+                    plgpu.emit_pipeline(
+                        step, grid=(half * 2 // BLOCK_IN,),
+                        in_specs=_weight_specs() + [_x_spec(n_pad)], max_concurrent_steps=stages,
+                    )(w2_g.at[eid, rows], s2_g.at[eid, rows], ht_g.at[u])
+            return acc[...]
 
-        acc = pl.run_scoped(scoped, plgpu.SMEM((sets, BLOCK, BLOCK), jnp.bfloat16, transforms=TILED),
-                            plgpu.SMEM((sets, BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
+        acc = pl.run_scoped(lambda a: _staging(functools.partial(accumulate, a), compiled),
+                            plgpu.ACC((BLOCK, n_pad)))
 
-        @functools.partial(pl.run_scoped, o_s=plgpu.SMEM((BLOCK, n_pad), jnp.float32))
-        def _store(o_s):
-            o_s[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[si, rows])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        mgpu.store_tile(acc, o_g.at[si, rows])
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, m, n_pad), jnp.float32),
         grid=(m // BLOCK, splits), grid_names=("o", "s"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
-    )(hs, uniq, w2, s2)
+    )(ht, uniq, w2, s2)
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
@@ -245,11 +370,8 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
     why = unsupported(z, ids, experts)
     if why is not None:
-        if why not in _logged:
-            _logged.add(why)
-            log.info("moe_experts: running the XLA reference (%s)", why)
-        return ops.moe_experts(z, ids, weights, experts, act=act, beta=beta, linear_beta=linear_beta,
-                               expert_chunk=expert_chunk)
+        return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
+                                                             linear_beta=linear_beta, expert_chunk=expert_chunk)
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
@@ -257,12 +379,12 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     slots = min(n_exp, n * k)
     uniq, coef = ops.expert_dispatch(ids, weights, n_exp, slots)
     coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    zs = _split_halves(jnp.pad(z, ((0, n_pad - n), (0, 0))))
-    h = _gate_up(zs, uniq, coef, experts.w1, experts.s1, experts.w3, experts.s3,
+    zt = _k_tiles(jnp.pad(z, ((0, n_pad - n), (0, 0))))               # [M/64, Np, 64]
+    h = _gate_up(zt, uniq, coef, experts.w1, experts.s1, experts.w3, experts.s3,
                  act=act, beta=beta, linear_beta=linear_beta)
-    hs = jax.vmap(lambda hu: _split_halves(hu.T))(h)                  # [U, 2, I/128, Np, 64]
+    ht = _k_tiles(jnp.swapaxes(h, 1, 2))                              # [U, I/64, Np, 64]
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms())
-    part = _down(hs, uniq, experts.w2, experts.s2, splits)
+    part = _down(ht, uniq, experts.w2, experts.s2, splits)
     return part.sum(0).T[:n].astype(z.dtype)
 
 

@@ -10,7 +10,9 @@ tolerance per dtype, byte/FLOP counts, how to compare outputs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import mgpu
+
 # Modules that register kernels when imported (each holds one fused op's kernels).
 KERNEL_MODULES: tuple[str, ...] = ("pallas_kernels.linear", "pallas_kernels.mla_decode", "pallas_kernels.route",
                                    "pallas_kernels.attn_res_mix", "pallas_kernels.moe_experts",
-                                   "pallas_kernels.kda_decode", "cute_bridge.ops")
+                                   "pallas_kernels.kda_decode", "pallas_kernels.gated_mlp", "cute_bridge.ops")
 
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {}
 _SPECS: dict[str, OpSpec] = {}
@@ -96,10 +100,64 @@ def relative_max_error(out, ref) -> float:
     return worst
 
 
+_FALLBACKS: dict[tuple[str, str], set[str]] = {}
+
+
+def fallback(op: str, impl: str, why: str) -> Callable:
+    """The reference of `op`, for a call the `impl` kernel does not cover: warns once per
+    (op, impl, why) and records it for `fallbacks()` (seen at trace time)."""
+    seen = _FALLBACKS.setdefault((op, impl), set())
+    if why not in seen:
+        seen.add(why)
+        logging.getLogger("k3jax.kernels").warning("%s %s: %s; using the XLA reference", impl, op, why)
+    from k3jax.backend import REFERENCES
+    return REFERENCES[op]
+
+
+def fallbacks() -> dict[str, list[str]]:
+    """Every reason an implementation fell back to the reference so far: {"op/impl": [why, ...]}."""
+    return {f"{op}/{impl}": sorted(whys) for (op, impl), whys in _FALLBACKS.items()}
+
+
 def register(op: str, impl: str, fn: Callable) -> Callable:
-    """Registers `fn` as the `impl` implementation of `op` (same signature as its reference)."""
-    _IMPLEMENTATIONS[(op, impl)] = fn
+    """Registers `fn` as the `impl` implementation of `op` (same signature as its reference).
+
+    What is registered is `shared_lowering(fn)`: every call site with the same shapes and
+    settings reuses one lowering, so a model whose layers call the same kernel compiles it once.
+    """
+    _IMPLEMENTATIONS[(op, impl)] = shared_lowering(fn)
     return fn
+
+
+def shared_lowering(fn: Callable) -> Callable:
+    """`fn` behind a `jax.jit` shared by all calls with the same argument structure, static values
+    and kernel mode (compile / interpret / race detection).
+
+    Why: Mosaic GPU names each lowered kernel uniquely (body_0, body_1, ...), so 12 layers calling
+    the same kernel would otherwise compile 12 identical kernels; one jitted function per shape is
+    lowered once and called from every site. Array arguments (and tracers) are traced; every other
+    leaf (Python numbers, strings, None) is a static value, as the kernels need it.
+    """
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+        static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
+        jitted = _jitted(fn, treedef, static, len(leaves), mgpu.trace_mode())
+        return jitted(*(x for x, d in zip(leaves, dynamic) if d))
+    return call
+
+
+@functools.cache
+def _jitted(fn: Callable, treedef, static: tuple, n_leaves: int, mode) -> Callable:
+    fixed = dict(static)
+
+    def run(*arrays):
+        it = iter(arrays)
+        leaves = [fixed[i] if i in fixed else next(it) for i in range(n_leaves)]
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        return fn(*args, **kwargs)
+    return jax.jit(run)
 
 
 def register_spec(spec: OpSpec) -> OpSpec:

@@ -100,8 +100,11 @@ def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
     """Same contract as k3jax.ops.route: (ids [N, k] int32, weights [N, k] float32)."""
     if not covers(x.shape, weight.shape, x.dtype, weight.dtype, top_k=top_k, activation=activation,
                   n_group=n_group, topk_group=topk_group):
-        return ops.route(x, weight, bias, top_k=top_k, activation=activation, renormalize=renormalize,
-                         scaling=scaling, n_group=n_group, topk_group=topk_group)
+        why = (f"x {x.dtype}{list(x.shape)}, {weight.shape[0]} experts, top-{top_k}, {activation}, "
+               f"groups {n_group}/{topk_group} not covered")
+        return registry.fallback("route", "pallas", why)(x, weight, bias, top_k=top_k, activation=activation,
+                                                         renormalize=renormalize, scaling=scaling, n_group=n_group,
+                                                         topk_group=topk_group)
     rows, din = x.shape
     e = weight.shape[0]
     n = max(8, -(-rows // 8) * 8)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_model_sweep_and_report(tmp_path):
     out = tmp_path / "model.json"
     rc = bench.main(["--model", "--preset", "k3-tiny", "--backends", "xla,pallas", "--granularities",
-                     "xla-ops,fused-sublayer,step-megakernel", "--batches", "2", "--contexts", f"8,{2**40}",
+                     "xla-ops,layer-megakernel,step-megakernel", "--batches", "2", "--contexts", f"8,{2**40}",
                      "--steps", "2", "--warmup", "1", "--no-progress", "--out", str(out)])
     assert rc == 0
     res = json.load(open(out))
@@ -30,7 +30,7 @@ def test_model_sweep_and_report(tmp_path):
     # Too long a context is skipped with its reason; granularities without kernels are listed.
     reasons = {(r["granularity"], r["status"]): r["reason"] for r in res["rows"] if r["status"] != "ok"}
     assert "max_position_embeddings" in reasons[("xla-ops", "skipped")]
-    assert "no fused sub-layer kernel" in reasons[("fused-sublayer", "unavailable")]
+    assert "no layer megakernel" in reasons[("layer-megakernel", "unavailable")]
     assert "no step megakernel" in reasons[("step-megakernel", "unavailable")]
     md = open(str(out)[:-5] + ".md").read()
     assert "xla / xla-ops" in md and "Not run:" in md
@@ -78,6 +78,8 @@ def test_fit_check_and_plans():
     assert bench.granularity_plan("xla", "xla-ops").describe()["linear"] == "xla"
     plan = bench.granularity_plan("pallas", "per-op")
     assert plan.describe()["linear"] == "pallas" and plan.describe()["gated_mlp"] == "xla"
+    # pallas_kernels.gated_mlp makes the fused sub-layer granularity available.
+    assert bench.granularity_plan("pallas", "fused-sublayer").describe()["gated_mlp"] == "pallas"
     assert bench.sweep_configs(["xla", "cute"], ["xla-ops", "per-op"]) == [("xla", "xla-ops"), ("cute", "per-op")]
     with pytest.raises(ValueError, match="unknown granularity"):
         bench.granularity_plan("xla", "warp")

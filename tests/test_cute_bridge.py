@@ -113,13 +113,15 @@ def test_stale_library_is_refused(library, monkeypatch):
 
 def test_ops_fall_back_to_the_reference_without_gpu(caplog):
     from cute_bridge import ops as cute_ops
+    from pallas_kernels import registry
     x = jax.random.normal(jax.random.key(0), (2, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (24, 64), jnp.bfloat16)
-    cute_ops._said.clear()
-    with caplog.at_level(logging.WARNING, logger="cute_bridge"):
+    registry._FALLBACKS.clear()
+    with caplog.at_level(logging.WARNING, logger="k3jax.kernels"):
         y = cute_ops.linear(x, w)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ops.linear(x, w), np.float32))
     assert "cute linear: no GPU; using the XLA reference" in caplog.text
+    assert registry.fallbacks()["linear/cute"] == ["no GPU"]
 
 
 def test_registry_and_plan_pick_cute():

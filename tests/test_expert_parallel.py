@@ -80,6 +80,14 @@ CASES = [  # (mesh, variant, routing, tokens, expert format)
     ("ep=8", "ragged", "one_expert", 8, "mxfp4"),
     ("dp=2,ep=4", "ragged", "one_rank", 5, "bf16"),
     ("ep=2,tp=2", "ragged", "random", 3, "bf16"),
+    ("ep=8", "packed", "random", 16, "bf16"),
+    ("dp=2,ep=4", "packed", "one_expert", 3, "mxfp4"),
+    ("ep=2,tp=2", "packed", "one_rank", 1, "bf16"),
+    ("ep=8", "a2a_packed", "random", 16, "mxfp4"),
+    ("dp=2,ep=4", "a2a_packed", "one_rank", 5, "bf16"),
+    ("ep=8", "allreduce", "random", 16, "bf16"),
+    ("dp=2,ep=4", "allreduce", "one_expert", 5, "bf16"),
+    ("ep=4", "allreduce", "one_rank", 8, "mxfp4"),
 ]
 
 
@@ -106,9 +114,25 @@ def test_bf16_latent_matches_single_device():
     z = jax.random.normal(kz, (12, M), jnp.bfloat16)
     ids, w = routing("random", 12, ki), jax.random.uniform(kw, (12, K), jnp.float32, 0.1, 1.0)
     want = ops.moe_experts(z, ids, w, experts, **ACT).astype(jnp.float32)
-    for variant in ("a2a", "allgather"):
+    for variant in ("a2a", "allgather", "packed", "a2a_packed", "allreduce"):
         got = run_ep("ep=4", variant, z, ids, w, experts).astype(jnp.float32)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2 ** -7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_ids_packed_in_payload_are_exact(dtype):
+    """Every id < num_ids survives the trip through the payload dtype, also summed with zeros
+    (the "allreduce" variant), next to random latent values."""
+    for num_ids in (16, 896, 70_000):
+        ids = jnp.concatenate([jnp.arange(num_ids, dtype=jnp.int32),
+                               jnp.zeros((-num_ids) % 4, jnp.int32)]).reshape(-1, 4)
+        z = jax.random.normal(jax.random.key(num_ids), (ids.shape[0], 8), dtype)
+        rows = moe_parallel._pack(z, ids, num_ids)
+        assert rows.dtype == dtype
+        for r in (rows, rows + jnp.zeros_like(rows)):
+            z2, ids2 = moe_parallel._unpack(r, 8, 4, num_ids)
+            np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids))
+            np.testing.assert_array_equal(np.asarray(z2, np.float32), np.asarray(z, np.float32))
 
 
 def test_ragged_lowers_unchanged():
@@ -125,7 +149,7 @@ def test_ragged_lowers_unchanged():
 def test_variant_choice_and_errors():
     assert moe_parallel.resolve_variant("auto", 8, "cpu") == "a2a"
     assert moe_parallel.resolve_variant("auto", 10_000, "gpu") == "ragged"
-    assert moe_parallel.resolve_variant("auto", 8, "gpu") == "allgather"
+    assert moe_parallel.resolve_variant("auto", 8, "gpu") == "packed"
     assert moe_parallel.resolve_variant("allgather", 8, "cpu") == "allgather"
     with pytest.raises(ValueError, match="unknown expert-parallel variant"):
         moe_parallel.resolve_variant("nccl", 8)

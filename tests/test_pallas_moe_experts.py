@@ -1,13 +1,15 @@
 """The Pallas (Mosaic GPU) MXFP4 routed-expert kernel against k3jax.ops.moe_experts: CPU interpret
-mode with race detection and NaN-poisoned memory, CUDA lowering export of the K3 shapes on CPU,
-and the real kernel on a GPU. Interpret mode is slow (~10 s per kernel call), so the CPU sweep
-keeps the cheapest cases; `python -m k3jax.validate --op moe_experts` runs all of them."""
+mode with race detection and NaN-poisoned memory, a bit-exact numpy model of the compiled path's
+PTX word decode and register placement, CUDA lowering export of the K3 shapes on CPU, and the
+real kernel on a GPU. Interpret mode is slow (~10 s per kernel call), so the CPU sweep keeps the
+cheapest cases; `python -m k3jax.validate --op moe_experts` runs all of them."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from k3jax import ops, validate
+from k3jax import mxfp4, ops, validate
 from pallas_kernels import mgpu, registry
 from pallas_kernels import moe_experts as me
 
@@ -15,6 +17,86 @@ SPEC = registry.spec("moe_experts")
 SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
 K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
 CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_")) or c.name.startswith("fallback")]
+
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode) on uint32 arrays: byte i of the result is byte sel[4i+2:4i] of
+    {b, a} (a = bytes 0-3), or that byte's sign replicated when sel bit 4i+3 is set."""
+    a, b, sel = np.broadcast_arrays(a, b, sel)
+    src = np.stack([(x >> np.uint64(8 * i)) & np.uint64(0xFF) for x in (a, b) for i in range(4)])
+    out = np.zeros(sel.shape, np.uint64)
+    for i in range(4):
+        nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = np.take_along_axis(src, (nib & 7)[None].astype(np.int64), 0)[0]
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte.astype(np.uint64) << np.uint64(8 * i)
+    return out
+
+
+def _fma_bf16x2(x, s):
+    """fma.rn.bf16x2 x, s, -0: per 16-bit half, bf16 x * s (exact here: powers of two)."""
+    halves = []
+    for sh in (0, 16):
+        f = lambda v: ((v >> np.uint64(sh)) & np.uint64(0xFFFF)).astype(np.uint32) << 16
+        with np.errstate(over="ignore"):
+            prod = f(x).view(np.float32) * f(s).view(np.float32)
+        halves.append(prod.astype(jnp.bfloat16).view(np.uint16).astype(np.uint64) << np.uint64(sh))
+    return halves[0] | halves[1]
+
+
+def _run_program(word, scale):
+    """me.DECODE_PROGRAM interpreted on uint64-held 32-bit values -> p0..p3."""
+    env = {"w": word.astype(np.uint64), "s": scale.astype(np.uint64)}
+    val = lambda a: np.uint64(a) if isinstance(a, int) else env[a]
+    for op, dst, *src in me.DECODE_PROGRAM:
+        a = [val(x) for x in src]
+        env[dst] = {"and": lambda: a[0] & a[1], "or": lambda: a[0] | a[1], "shr": lambda: a[0] >> a[1],
+                    "prmt": lambda: _prmt(a[0], a[1], a[2]), "fma": lambda: _fma_bf16x2(a[0], a[1])}[op]()
+        env[dst] &= np.uint64(0xFFFFFFFF)
+    return [env[f"p{i}"] for i in range(4)]
+
+
+def _compiled_decode_model(packed, scale):
+    """One pipeline step as the compiled kernel decodes it: packed [64, 256] uint8, scales [64, 16]
+    -> [64, 512] bf16 in wgmma K-tile order, through the thread -> (row, group, register) map of
+    me._decode_quad (WGMMA layout: register (j, r) of lane l holds columns 8j + 2(l%4) + {0,1})."""
+    words = np.ascontiguousarray(packed).view("<u4").astype(np.uint64)                         # [64, 64]
+    out = np.zeros((64, 512), np.uint16)
+    rows = np.arange(64)
+    for quad in range(me.QUADS):
+        for q in range(4):
+            group = 4 * quad + q
+            sc = scale[:, group].astype(np.uint64) * np.uint64(0x00800080)
+            for k in range(4):
+                pairs = _run_program(words[:, 4 * group + k], sc)
+                for b, p in enumerate(pairs):
+                    col = 64 * (2 * quad + k // 2) + 8 * (4 * (k % 2) + b) + 2 * q
+                    out[rows, col] = p & 0xFFFF
+                    out[rows, col + 1] = p >> np.uint64(16)
+    return out.view(jnp.bfloat16)
+
+
+def test_compiled_decode_model_is_exact():
+    """Every code in every byte position, every scale code the tests and K3 use (and the extremes
+    of the range, overflow to inf included): the PTX program + register placement equals mxfp4.dequantize followed
+    by permute_k, bit for bit (signed zeros included)."""
+    codes = np.arange(256, dtype=np.uint8)
+    packed = np.stack([np.roll(codes, 7 * r) for r in range(64)])                 # [64, 256]
+    # Scale code 1 would make +-0.5 * 2^-126 subnormal, which XLA:CPU's reference flushes to 0.
+    used = np.array(list(range(100, 135)) + [0, 2, 3, 126, 127, 128, 200, 253, 254], np.uint8)
+    for start in range(0, len(used), 16):
+        scale = np.resize(np.roll(used, start), (64, 16)).astype(np.uint8)
+        got = _compiled_decode_model(packed, scale).view(np.uint16)
+        want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)))).view(np.uint16)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_permute_k_is_a_permutation_per_128_columns():
+    x = jnp.arange(2 * 256).reshape(2, 256)
+    y = np.asarray(me.permute_k(x))
+    assert sorted(y[0]) == list(range(256)) and (y[0, :128] < 128).all() and (y[1] - y[0] == 256).all()
+    # Column 32q + 8k + 2b + n lands at 32k + 8b + 2q + n.
+    assert y[0, 32 * 1 + 8 * 2 + 2 * 3 + 1] == 32 * 3 + 8 * 1 + 2 * 2 + 1
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
@@ -48,7 +130,8 @@ def test_coverage_and_split_plan():
         slots = min(448, n * 16)
         s = me.down_splits(3584 // 64, 3072, slots, max(8, n), mgpu.H200_SMS)
         assert slots % s == 0
-        assert me._stages_and_buffers(max(8, -(-n // 8) * 8))[0] >= 1
+        assert me._stages(max(8, -(-n // 8) * 8), 2) >= 1
+    assert me._stages(8, 2) >= 2 and me._stages(8, 1) >= 3     # batch 1: two programs per SM
 
 
 @pytest.mark.parametrize("n,e", [(1, 448), (8, 896), (64, 448)])

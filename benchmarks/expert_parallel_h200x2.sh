@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The 2x H200 expert-parallel evidence run in one device call (BENCHMARKS.md, docs/expert_parallel.md):
+#   A. dispatch+combine per MoE layer, every variant, NCCL collectives (XLA's default);
+#   B. the same for the all-gather / all-reduce variants with XLA's own peer-to-peer collective
+#      kernels (--xla_gpu_experimental_use_collective_kernels; no NVLink multicast);
+#   C. the k3-h200x2 decode step on ep=2 with the variant (and collectives) fastest at 1 token in A/B.
+# Writes $OUT/expert-parallel-h200x2.json (all rows) and per-phase logs; stops C in time for the merge.
+#   OUT=/tmp/ep BUDGET_S=320 bash benchmarks/expert_parallel_h200x2.sh
+#   STEP_VARIANT=packed bash benchmarks/expert_parallel_h200x2.sh      # C alone, with that variant
+# XLA aborts on XLA_FLAGS=" " (it takes it for a file name), hence the $(echo ...) below.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/ep}
+BUDGET_S=${BUDGET_S:-320}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+END=$(( $(date +%s) + BUDGET_S ))
+CK="--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE,ALL_GATHER"
+BASE=${BASE_XLA_FLAGS:-}   # a CPU dry run: BASE_XLA_FLAGS=--xla_force_host_platform_device_count=2
+LAYER=(benchmarks/expert_parallel.py --ep 2 --dispatch-only --batches 1,8,64 --layers 8 --repeats 5 --step-mesh '')
+
+nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
+if [ -z "${STEP_VARIANT:-}" ]; then
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="$(echo $BASE)" $PY "${LAYER[@]}" --budget-s "${A_S:-60}" \
+    --out "$OUT/layer_nccl.json" 2>&1 | tee "$OUT/log_layer_nccl.txt"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="$(echo $BASE $CK)" $PY "${LAYER[@]}" --variants allgather,packed,allreduce \
+    --budget-s "${B_S:-30}" --out "$OUT/layer_ck.json" 2>&1 | tee "$OUT/log_layer_ck.txt"
+fi
+
+# The fastest variant at 1 token; XLA's collective kernels only if they beat NCCL by > 25% (the
+# whole step then runs under them: a bigger change than one layer).
+read -r VARIANT FLAGS < <($PY - "$OUT" "$CK" <<'EOF'
+import json, os, sys
+out, ck = sys.argv[1], sys.argv[2]
+best = {}
+for name, flags in (("layer_nccl.json", ""), ("layer_ck.json", ck)):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        for r in json.load(open(path))["moe_layer"]:
+            if r.get("batch") == 1 and "dispatch_combine_us" in r and r.get("rel_err_vs_single_device", 1) < 1e-2:
+                best[flags] = min(best.get(flags, (float("inf"), "allgather")), (r["dispatch_combine_us"], r["variant"]))
+nccl = best.get("", (float("inf"), "allgather"))
+use_ck = ck in best and best[ck][0] < 0.75 * nccl[0]
+print(best[ck][1] if use_ck else nccl[1], ck if use_ck else "-")
+EOF
+)
+[ "$FLAGS" = "-" ] && FLAGS=""
+[ -n "${STEP_VARIANT:-}" ] && VARIANT=$STEP_VARIANT FLAGS=${STEP_XLA_FLAGS:-}
+LEFT=$(( END - $(date +%s) - 10 ))
+echo "step phase: variant $VARIANT, XLA_FLAGS='$FLAGS', ${LEFT} s left"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 XLA_FLAGS="$(echo $BASE $FLAGS)" timeout "$LEFT" $PY benchmarks/expert_parallel.py --ep '' \
+    --step-mesh ep=2 --batches 1,8 --step-variants "$VARIANT" --step-steps 4 --budget-s $(( LEFT - 60 )) \
+    ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 | tee "$OUT/log_step.txt"
+
+$PY - "$OUT" "$CK" "$FLAGS" <<'EOF'
+import json, os, sys
+out, ck, step_flags = sys.argv[1:4]
+merged = {"meta": None, "moe_layer": [], "rows": [], "phases": {}}
+for name, coll in (("layer_nccl.json", "nccl"), ("layer_ck.json", "xla-collective-kernels"),
+                   ("step.json", "xla-collective-kernels" if step_flags else "nccl")):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        continue
+    d = json.load(open(path))
+    merged["phases"][name] = d["meta"]
+    merged["meta"] = merged["meta"] or dict(d["meta"])
+    merged["moe_layer"] += [{**r, "collectives": coll} for r in d.get("moe_layer", [])]
+    merged["rows"] += [{**r, "collectives": coll} for r in d.get("rows", [])]
+merged["meta"] = merged["meta"] or {}
+merged["meta"]["note"] = f"merged phases; collective kernels = XLA_FLAGS={ck}"
+json.dump(merged, open(os.path.join(out, "expert-parallel-h200x2.json"), "w"), indent=1)
+print("merged:", len(merged["moe_layer"]), "layer rows,", len(merged["rows"]), "step rows")
+EOF
