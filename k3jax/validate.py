@@ -211,7 +211,7 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
     """
     import k3jax
     from k3jax.backend import KernelPlan
-    from pallas_kernels.registry import TOLERANCE, fallbacks
+    from pallas_kernels.registry import TOLERANCE, clear_fallbacks, fallbacks
     model = k3jax.from_pretrained(preset, seed=seed)
     prompt = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, model.cfg.vocab_size, jnp.int32)
     model.plan = KernelPlan.for_backend("xla")
@@ -227,22 +227,35 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
         f"smallest top-1/top-2 margin {margin.min():.1e} of the largest logit")
     tol = TOLERANCE["bfloat16"]
     if float32_floor:
-        _, wide = decode_logits(_upcast(model), prompt, steps, forced=tokens[:, :-1])
-        floor = float(jnp.max(jnp.abs(wide - ref))) / scale
-        rows[0]["float32_floor"] = floor
-        tol = max(tol, 2 * floor)
-        log(f"float32 XLA vs bfloat16 XLA: max logit difference {floor:.2e} -> tolerance {tol:.2e}")
+        try:
+            _, wide = decode_logits(_upcast(model), prompt, steps, forced=tokens[:, :-1])
+            floor = float(jnp.max(jnp.abs(wide - ref))) / scale
+            del wide
+        except Exception as e:  # noqa: BLE001 - e.g. the float32 copy does not fit: judge on 2^-7
+            rows[0]["float32_floor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"float32 floor not measured ({type(e).__name__}); tolerance stays {tol:.1e}")
+        else:
+            rows[0]["float32_floor"] = floor
+            tol = max(tol, 2 * floor)
+            log(f"float32 XLA vs bfloat16 XLA: max logit difference {floor:.2e} -> tolerance {tol:.2e}")
     for label, plan in parity_plans(backends, per_op):
         model.plan = plan
+        clear_fallbacks()
         t0 = time.perf_counter()
-        forced_tokens, logits = decode_logits(model, prompt, steps, forced=tokens[:, :-1])
+        try:
+            forced_tokens, logits = decode_logits(model, prompt, steps, forced=tokens[:, :-1])
+        except Exception as e:  # noqa: BLE001 - one configuration that fails to build/run is a failed row
+            note = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rows.append({"backend": label, "error": note, "passed": False, "seconds": time.perf_counter() - t0})
+            log(f"{label:7s} FAILED to run: {note}")
+            continue
         per_step = np.asarray(jnp.max(jnp.abs(logits - ref), axis=(1, 2))) / scale     # [steps]
         err = float(per_step.max())
         same = np.asarray(jnp.argmax(logits, -1).T == tokens[:, 1:])      # [B, steps]
         differ = [int(i) for i in np.nonzero(~same.all(0))[0]]
         kernels = {op: i for op, i in plan.describe().items() if i != "xla"}
         row = {"backend": label, "kernels": kernels,
-               # reasons a kernel ran its reference instead, for some call (seen while tracing, in this process)
+               # why a kernel ran its reference instead, for some call of this configuration
                "fallbacks": {k: v for k, v in fallbacks().items() if kernels.get(k.split("/")[0]) == k.split("/")[1]},
                "logit_rel_err": err, "per_step_rel_err": [float(e) for e in per_step], "tolerance": tol,
                "greedy_identical": not differ, "different_steps": differ,

@@ -100,23 +100,36 @@ def relative_max_error(out, ref) -> float:
     return worst
 
 
-_FALLBACKS: dict[tuple[str, str], set[str]] = {}
+_FALLBACKS: dict[tuple[str, str], set[str]] = {}   # reported since the last clear_fallbacks()
+_WARNED: set[tuple[str, str, str]] = set()
+_TRACING: list[set[tuple[str, str, str]]] = []     # reasons recorded while a shared lowering traces
 
 
 def fallback(op: str, impl: str, why: str) -> Callable:
     """The reference of `op`, for a call the `impl` kernel does not cover: warns once per
-    (op, impl, why) and records it for `fallbacks()` (seen at trace time)."""
-    seen = _FALLBACKS.setdefault((op, impl), set())
-    if why not in seen:
-        seen.add(why)
-        logging.getLogger("k3jax.kernels").warning("%s %s: %s; using the XLA reference", impl, op, why)
+    (op, impl, why) and records it for `fallbacks()`."""
+    _report(op, impl, why)
+    if _TRACING:
+        _TRACING[-1].add((op, impl, why))
     from k3jax.backend import REFERENCES
     return REFERENCES[op]
 
 
+def _report(op: str, impl: str, why: str) -> None:
+    _FALLBACKS.setdefault((op, impl), set()).add(why)
+    if (op, impl, why) not in _WARNED:
+        _WARNED.add((op, impl, why))
+        logging.getLogger("k3jax.kernels").warning("%s %s: %s; using the XLA reference", impl, op, why)
+
+
 def fallbacks() -> dict[str, list[str]]:
-    """Every reason an implementation fell back to the reference so far: {"op/impl": [why, ...]}."""
+    """Why implementations ran their reference, for calls made since `clear_fallbacks()` (a
+    call whose lowering is reused still reports): {"op/impl": [why, ...]}."""
     return {f"{op}/{impl}": sorted(whys) for (op, impl), whys in _FALLBACKS.items()}
+
+
+def clear_fallbacks() -> None:
+    _FALLBACKS.clear()
 
 
 def register(op: str, impl: str, fn: Callable) -> Callable:
@@ -143,21 +156,32 @@ def shared_lowering(fn: Callable) -> Callable:
         leaves, treedef = jax.tree.flatten((args, kwargs))
         dynamic = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
         static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
-        jitted = _jitted(fn, treedef, static, len(leaves), mgpu.trace_mode())
-        return jitted(*(x for x, d in zip(leaves, dynamic) if d))
+        arrays = [x for x, d in zip(leaves, dynamic) if d]
+        avals = tuple((x.shape, jnp.dtype(x.dtype)) for x in arrays)
+        jitted, reasons = _jitted(fn, treedef, static, avals, len(leaves), mgpu.trace_mode())
+        out = jitted(*arrays)
+        for reason in reasons:      # fallbacks taken when this lowering was traced
+            _report(*reason)
+        return out
     return call
 
 
 @functools.cache
-def _jitted(fn: Callable, treedef, static: tuple, n_leaves: int, mode) -> Callable:
+def _jitted(fn: Callable, treedef, static: tuple, avals: tuple, n_leaves: int, mode) -> tuple[Callable, set]:
+    """One jitted `fn` per call signature (`avals` keys the fallbacks its trace took)."""
     fixed = dict(static)
+    reasons: set[tuple[str, str, str]] = set()
 
     def run(*arrays):
         it = iter(arrays)
         leaves = [fixed[i] if i in fixed else next(it) for i in range(n_leaves)]
         args, kwargs = jax.tree.unflatten(treedef, leaves)
-        return fn(*args, **kwargs)
-    return jax.jit(run)
+        _TRACING.append(reasons)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TRACING.pop()
+    return jax.jit(run), reasons
 
 
 def register_spec(spec: OpSpec) -> OpSpec:

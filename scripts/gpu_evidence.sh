@@ -4,7 +4,8 @@
 #
 #   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]    # phases: validate ops parity model bisect
 #
-# `bisect` (not in the default set) runs the parity per op, to attribute a parity failure.
+# `bisect` (not in the default set) runs the parity per op, to attribute a parity failure, with
+# the float32 noise floor when the float32 copy of the dense weights fits (~+24 GB for k3-h200).
 # Each phase has a time limit and writes its JSON / log under $OUT even when the limit cuts it
 # short (the tools save partial results). PRESET (default k3-h200) and BATCHES (default 1,8)
 # select the model points. Build the CuTe library first (python -m cute_bridge.build) and take
@@ -34,7 +35,7 @@ for phase in "${phases[@]}"; do
     ops)      run_phase ops 120 python -m k3jax.bench --ops --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
     parity)   run_phase parity 150 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
                 --steps 64 --out "$OUT/parity" ;;
-    bisect)   run_phase bisect 300 python -m k3jax.validate --model --per-op --preset "$PRESET" --backends pallas \
+    bisect)   run_phase bisect 400 python -m k3jax.validate --model --per-op --float32-floor --preset "$PRESET" --backends pallas \
                 --steps 64 --out "$OUT/bisect" ;;
     model)    run_phase model 180 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends xla,pallas,cute --granularities xla-ops,per-op --steps 16 \

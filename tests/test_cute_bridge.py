@@ -116,7 +116,8 @@ def test_ops_fall_back_to_the_reference_without_gpu(caplog):
     from pallas_kernels import registry
     x = jax.random.normal(jax.random.key(0), (2, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (24, 64), jnp.bfloat16)
-    registry._FALLBACKS.clear()
+    registry.clear_fallbacks()
+    registry._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="k3jax.kernels"):
         y = cute_ops.linear(x, w)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ops.linear(x, w), np.float32))

@@ -100,3 +100,14 @@ def test_every_pallas_kernel_runs_in_the_whole_model(tmp_path):
     assert set(row["kernels"]) == {
         op for op in REFERENCES if registry.implementation(op, "pallas")}
     assert row["passed"] and row["logit_rel_err"] <= row["tolerance"]
+
+
+def test_fallbacks_are_reported_when_a_lowering_is_reused():
+    import jax.numpy as jnp
+    lin = registry.implementation("linear", "pallas")
+    x, w = jnp.ones((1, 64), jnp.bfloat16), jnp.ones((96, 64), jnp.bfloat16)   # 96 rows: not a 64-row tile
+    jax.jit(lin)(x, w)
+    registry.clear_fallbacks()
+    assert registry.fallbacks() == {}
+    jax.jit(lambda a, b: lin(a, b))(x, w)          # a new outer trace reusing the inner lowering
+    assert list(registry.fallbacks()) == ["linear/pallas"]
