@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> dict:
         from k3jax.sharding import set_ep_variant
         set_ep_variant(model, args.ep_variant)
     model.plan = KernelPlan.for_backend(args.backend)
+    if args.backend != "xla":
+        from pallas_kernels.registry import clear_fallbacks
+        clear_fallbacks()
     cfg = model.cfg
     tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
     if args.prompt_ids:
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {
         "settings": {k: v for k, v in vars(args).items()},
         "kernels": model.plan.describe(),
+        "fallbacks": _fallbacks(args.backend),
         "mesh": args.mesh or "single",
         "model": {"name": cfg.name, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
                   "expert_format": cfg.expert_format},
@@ -120,6 +124,14 @@ def run(args: argparse.Namespace) -> dict:
         **result.as_dict(),
     }
     return report
+
+
+def _fallbacks(backend: str) -> dict[str, list[str]]:
+    """Kernels of this run that ran their XLA reference for some call, and why."""
+    if backend == "xla":
+        return {}
+    from pallas_kernels.registry import fallbacks
+    return fallbacks()
 
 
 def _count(n: float) -> str:
@@ -139,6 +151,8 @@ def print_report(r: dict, quiet: bool) -> None:
                   f"{_count(r['model']['active_params'])} active, experts {r['model']['expert_format']})"),
         ("device", f"{r['device']['kind']} ({r['device']['platform']}), mesh {r['mesh']}"),
         ("kernels", ", ".join(f"{op}={impl}" for op, impl in r["kernels"].items())),
+        *[(f"  {op_impl} fell back", whys[0] + (f" (+{len(whys) - 1} more in --output)" if len(whys) > 1 else ""))
+          for op_impl, whys in r["fallbacks"].items()],
         ("batch x new tokens", f"{len(r['tokens'])} x {len(r['tokens'][0])}"),
         ("compile", f"{r['compile_s']:.2f} s"),
         ("prefill", f"{r['prefill_s'] * 1e3:.1f} ms"),

@@ -24,6 +24,7 @@ def test_cli_runs_and_writes_json(tmp_path):
     assert report["model"]["name"] == "k3-tiny"
     assert len(report["tokens"]) == 1 and len(report["tokens"][0]) == 4
     assert report["decode_steps"] == 3 and report["bytes_per_decode_step"] > 0
+    assert report["fallbacks"] == {} and set(report["kernels"].values()) == {"xla"}
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]     # atomic write cleaned up
 
 
