@@ -57,9 +57,9 @@ MAX_COPIES = 48
 TOP_KERNELS = 6
 
 
-def _kernel_times(launch, n: int) -> tuple[float, list[tuple[str, float]]] | None:
-    """GPU kernel time of `launch(0..n-1)` via CUPTI: (total ms, the TOP_KERNELS kernel names
-    with the most time, ms per launch each); None if CUPTI is unavailable."""
+def _kernel_times(launch, n: int) -> tuple[float, list[list]] | None:
+    """GPU kernel time per launch of `launch(0..n-1)` via CUPTI, in seconds: (total, the
+    TOP_KERNELS kernels with the most time as [[name, seconds], ...]); None without CUPTI."""
     try:
         from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
         ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -76,9 +76,9 @@ def _kernel_times(launch, n: int) -> tuple[float, list[tuple[str, float]]] | Non
         return None
     by_name: dict[str, float] = {}
     for name, ms in timings:
-        by_name[name] = by_name.get(name, 0.0) + ms / n
+        by_name[name] = by_name.get(name, 0.0) + ms * 1e-3 / n
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-    return sum(ms for _, ms in timings), [(name[:120], ms) for name, ms in top]
+    return sum(by_name.values()), [[name[:120], s] for name, s in top]
 
 
 def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
@@ -91,7 +91,7 @@ def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
     for _ in range(rounds):
         timed = _kernel_times(lambda i: run(*arg_sets[i]), n)
         if timed is not None:
-            dev.append(timed[0] * 1e-3 / n)
+            dev.append(timed[0])
             top = timed[1]
         t0 = time.perf_counter()
         jax.block_until_ready([run(*a) for a in arg_sets])
@@ -100,7 +100,7 @@ def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
     out["device_s"] = statistics.median(dev) if dev else out["wall_s"]
     out["timer"] = "cupti" if dev else "wall"
     if top:
-        out["top_kernels"] = [[name, ms * 1e-3] for name, ms in top]
+        out["top_kernels"] = top
     return out
 
 
@@ -323,9 +323,9 @@ def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup
     timed = _kernel_times(advance, steps) if on_gpu else None
     out = {"compile_s": compile_s, "steps": steps, "latency_s_median": float(np.median(lat)),
            "latency_s_p90": float(np.percentile(lat, 90)), "step_s": step_s,
-           "kernel_s": timed[0] * 1e-3 / steps if timed else None}
+           "kernel_s": timed[0] if timed else None}
     if timed:
-        out["top_kernels"] = [[name, ms * 1e-3] for name, ms in timed[1]]
+        out["top_kernels"] = timed[1]
     return out
 
 

@@ -21,10 +21,14 @@ _E2M1_MAX_EXP = 2            # 6 = 1.5 * 2^2: the largest E2M1 exponent
 SCALE_BIAS = 127
 
 
+def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
+    """[..., n] and [..., n] -> [..., 2n] in column order (even[0], odd[0], even[1], ...)."""
+    return jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], even.shape[-1] * 2)
+
+
 def unpack_codes(packed: jax.Array) -> jax.Array:
     """uint8 [..., in/2] -> FP4 codes uint8 [..., in] (low nibble first)."""
-    lo, hi = packed & 0x0F, packed >> 4
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return _interleave(packed & 0x0F, packed >> 4)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:
@@ -64,8 +68,7 @@ def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -
 def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype:
     `dequantize_halves` interleaved back into column order."""
-    even, odd = dequantize_halves(packed, scale, dtype)
-    return jnp.stack([even, odd], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return _interleave(*dequantize_halves(packed, scale, dtype))
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

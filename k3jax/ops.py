@@ -339,9 +339,9 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
     flat = ids.reshape(-1)
     uniq, coef = expert_dispatch(ids, weights, n_exp, n_chunks * chunk)
 
-    def chunk_weights(c):
+    def chunk_weights(c, gather):
         ids_c = jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk)
-        return ids_c, experts.gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
+        return gather(jnp.minimum(ids_c, n_exp - 1), z.dtype)
 
     if n <= DENSE_DISPATCH_MAX_TOKENS:
         def expert_dot(spec, x, w):
@@ -354,8 +354,7 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
             return out.astype(z.dtype)
 
         def run_chunk(c):
-            ids_c = jnp.minimum(jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk), n_exp - 1)
-            w1, w3, w2 = (experts.gather_halves if experts.is_mxfp4 else experts.gather)(ids_c, z.dtype)
+            w1, w3, w2 = chunk_weights(c, experts.gather_halves if experts.is_mxfp4 else experts.gather)
             gate, up = expert_dot("nm,uim->uni", z, w1), expert_dot("nm,uim->uni", z, w3)
             y = expert_dot("uni,umi->unm", glu(gate, up, act, beta, linear_beta), w2)
             return jnp.einsum("un,unm->nm", jax.lax.dynamic_slice_in_dim(coef, c * chunk, chunk), y.astype(f32))
@@ -375,7 +374,7 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: Exper
         return jax.lax.ragged_dot_general(x, w, sizes, dims, preferred_element_type=f32).astype(x.dtype)
 
     def run_grouped(c) -> jax.Array:
-        _, (w1, w3, w2) = chunk_weights(c)
+        w1, w3, w2 = chunk_weights(c, experts.gather)
         sizes = jax.lax.dynamic_slice_in_dim(group_sizes, c * chunk, chunk)
         start = jnp.sum(jnp.where(jnp.arange(group_sizes.shape[0]) < c * chunk, group_sizes, 0))
         x = jnp.roll(rows, -start, axis=0)          # this chunk's rows first; rows past them give zeros

@@ -160,7 +160,7 @@ def shared_lowering(fn: Callable) -> Callable:
         static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
         arrays = [x for x, d in zip(leaves, dynamic) if d]
         avals = tuple((x.shape, jnp.dtype(x.dtype)) for x in arrays)
-        jitted, reasons = _jitted(fn, treedef, static, avals, len(leaves), mgpu.trace_mode())
+        jitted, reasons = _jitted(fn, treedef, static, avals, mgpu.trace_mode())
         out = jitted(*arrays)
         for reason in reasons:      # fallbacks taken when this lowering was traced
             _report(*reason)
@@ -169,14 +169,14 @@ def shared_lowering(fn: Callable) -> Callable:
 
 
 @functools.cache
-def _jitted(fn: Callable, treedef, static: tuple, avals: tuple, n_leaves: int, mode) -> tuple[Callable, set]:
+def _jitted(fn: Callable, treedef, static: tuple, avals: tuple, mode) -> tuple[Callable, set]:
     """One jitted `fn` per call signature (`avals` keys the fallbacks its trace took)."""
     fixed = dict(static)
     reasons: set[tuple[str, str, str]] = set()
 
     def run(*arrays):
         it = iter(arrays)
-        leaves = [fixed[i] if i in fixed else next(it) for i in range(n_leaves)]
+        leaves = [fixed[i] if i in fixed else next(it) for i in range(treedef.num_leaves)]
         args, kwargs = jax.tree.unflatten(treedef, leaves)
         _TRACING.append(reasons)
         try:
