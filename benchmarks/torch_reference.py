@@ -247,7 +247,8 @@ def _grouped_experts(x, ids, weights, w13, w2):
 
 def bench_ops(a, device) -> dict:
     import jax
-    from pallas_kernels import linear as pl_linear
+    from pallas_kernels import registry
+    linear = registry.spec("linear")
     bw = copy_bandwidth(device)
     batches = set(_ints(a.batches, "--batches"))
     rows = []
@@ -260,11 +261,11 @@ def bench_ops(a, device) -> dict:
                      "frac_copy_bw": nbytes / s / bw, "correct": True})
         print(f"{op:12s} {case:24s} torch {s * 1e6:9.1f} us {nbytes / s / 1e12:5.2f} TB/s {nbytes / s / bw:6.1%}")
 
-    for case in pl_linear.cases():
-        if a.sizes not in case.sizes or case.batch not in batches:
+    for case in linear.sweep(a.sizes):
+        if case.batch not in batches:
             continue
         x, w = jax.eval_shape(case.make, jax.random.key(0))
-        nbytes, flops = pl_linear.cost((x, w), {})
+        nbytes, flops = linear.cost((x, w), {})
         copies = max(1, min(48 if device.type == "cuda" else 2, math.ceil(ROTATE_BYTES / nbytes)))
         sets = [(torch.randn(x.shape, device=device, dtype=torch.bfloat16),
                  torch.randn(w.shape, device=device, dtype=torch.bfloat16) * w.shape[1] ** -0.5)

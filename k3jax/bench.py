@@ -129,8 +129,8 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
         if spec is None:
             log(f"{op}: no OpSpec (no kernel registered); skipped")
             continue
-        for case in spec.cases():
-            if sizes not in case.sizes or case.batch not in batches:
+        for case in spec.sweep(sizes):
+            if case.batch not in batches:
                 continue
             kw = case.kw
             first = case.make(jax.random.key(0))
@@ -175,7 +175,7 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
 def summary_table(result: dict) -> str:
     """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend (every
     backend present, xla first; torch rows from benchmarks/torch_reference.py --ops included),
-    and the best kernel's speedup over XLA."""
+    and the best k3jax kernel's speedup over XLA."""
     by_case: dict[tuple, dict] = {}
     for r in result["rows"]:
         if "device_s" not in r:
@@ -188,7 +188,7 @@ def summary_table(result: dict) -> str:
         cells = [f"{rs[k]['device_s'] * 1e6:.1f} ({rs[k]['tb_per_s']:.2f}, {rs[k]['frac_copy_bw']:.0%})"
                  if k in rs else "-" for k in backends]
         x = rs.get("xla")
-        others = [r["device_s"] for k, r in rs.items() if k != "xla"]
+        others = [r["device_s"] for k, r in rs.items() if k not in ("xla", "torch")]   # k3jax's kernels
         sp = f"{x['device_s'] / min(others):.2f}x" if x and others else "-"
         lines.append(f"| {op} | {case} | {b} | {next(iter(rs.values()))['bytes'] / 1e6:.1f} | "
                      f"{' | '.join(cells)} | {sp} |")
@@ -480,9 +480,23 @@ def _from_decode_sweep(data: dict, run: str) -> list[dict]:
     return rows
 
 
+def _newest(rows: list[dict], key) -> list[dict]:
+    """One row per key(row): the one from the newest run (meta date; later files win ties)."""
+    best: dict = {}
+    for r in rows:
+        k = key(r)
+        if k not in best or r.get("date", "") >= best[k].get("date", ""):
+            best[k] = r
+    return list(best.values())
+
+
 def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
-    """Reads result files -> ({"model": rows, "device": ...} merged over files, [ops results])."""
-    model_rows, ops_results, devices = [], [], []
+    """Reads result files -> ({"rows": model rows, "devices": [...]}, [ops results, one per device]).
+
+    A point measured more than once (same preset, formats, mesh, backend, granularity, batch,
+    context, device; or for ops the same device, op, case, backend) keeps its newest measurement:
+    the tables show the current code; BENCHMARKS.md keeps the history."""
+    model_rows, ops_rows, devices = [], {}, []
     for path in paths:
         with open(path) as f:
             try:
@@ -490,17 +504,25 @@ def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
             except json.JSONDecodeError as e:
                 log(f"{path}: not JSON ({e}); skipped")
                 continue
-        kind = data.get("meta", {}).get("kind") if isinstance(data, dict) else None
+        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        kind = meta.get("kind")
         if kind == "model":
-            devices.append(data["meta"].get("device"))
-            model_rows += [{"device": data["meta"].get("device"), **r} for r in data["rows"]]
+            devices.append(meta.get("device"))
+            model_rows += [{"device": meta.get("device"), "date": meta.get("date", ""), **r} for r in data["rows"]]
         elif kind == "ops":
-            ops_results.append(data)
+            mine = ops_rows.setdefault(meta.get("device"), {"meta": meta, "rows": []})
+            if meta.get("date", "") >= mine["meta"].get("date", ""):
+                mine["meta"] = meta
+            mine["rows"] += [{"date": meta.get("date", ""), **r} for r in data["rows"]]
         elif isinstance(data, dict) and {"preset", "backend", "rows"} <= set(data):
             devices.append(data.get("device"))
             model_rows += _from_decode_sweep(data, os.path.splitext(os.path.basename(path))[0])
         else:
             log(f"{path}: not a k3jax.bench result (kind {kind!r}); skipped")
+    model_rows = _newest(model_rows, lambda r: (
+        _match_key(r), r.get("device"), r.get("backend"), r.get("granularity"), r.get("status") == "ok"))
+    ops_results = [{"meta": res["meta"], "rows": _newest(res["rows"], lambda r: (r["op"], r["case"], r["backend"]))}
+                   for res in ops_rows.values()]
     merged = finalize({"rows": model_rows})
     return {"rows": merged["rows"], "devices": sorted({d for d in devices if d})}, ops_results
 
@@ -597,8 +619,9 @@ def report_markdown(paths: list[str], plot_prefix: str | None, link_dir: str | N
             parts += [f"![{os.path.basename(png)}]({rel})", ""]
     for res in ops_results:
         m = res["meta"]
-        parts += [f"### Per-op kernels ({m.get('device')}, {m.get('date')}, copy bandwidth "
-                  f"{m.get('copy_bandwidth', 0) / 1e12:.2f} TB/s)", "", summary_table(res), ""]
+        parts += [f"### Per-op kernels ({m.get('device')}; newest measurement of each case, latest run "
+                  f"{m.get('date')}, copy bandwidth {(m.get('copy_bandwidth') or 0) / 1e12:.2f} TB/s)", "",
+                  summary_table(res), ""]
     if len(parts) == 2:
         parts.append("(no benchmark results yet)")
     return "\n".join(parts).rstrip() + "\n"

@@ -109,9 +109,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
             log(f"{op:14s} no {backend} kernel (falls back to XLA)")
             continue
         spec = specs[op]
-        for case in spec.cases():
-            if not case.sizes & sizes:
-                continue
+        for case in spec.sweep(*sizes):
             r = check_case(spec, backend, fn, case, repeats=repeats)
             results.append(r)
             log(f"{op:14s} {case.name:28s} err {r.error:.2e} / tol {r.tolerance:.1e}  "
@@ -198,16 +196,39 @@ def _upcast(model):
     return wide
 
 
+def router_nudged_plan(direction: float):
+    """XLA with every router weight moved by one float32 ulp towards `direction` (+inf or -inf).
+
+    A control, not a backend: two correct float32 routers differ by about this much (summation
+    order), so the logit difference it causes is the smallest any re-implementation can be
+    judged against. Random-weight models amplify it through expert-selection near-ties.
+    """
+    from k3jax.backend import XLA
+
+    def route(x, weight, bias, **kw):
+        w = weight.astype(jnp.float32)
+        return REFERENCES["route"](x, jnp.nextafter(w, jnp.full_like(w, direction)), bias, **kw)
+
+    @dataclasses.dataclass(frozen=True)
+    class RouterNudged(type(XLA)):
+        def __call__(self, op: str):
+            return route if op == "route" else super().__call__(op)
+
+    return RouterNudged(XLA.choices)
+
+
 def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int = 1, prompt_len: int = 16,
-                 seed: int = 0, per_op: bool = False, float32_floor: bool = False, log=print) -> dict:
+                 seed: int = 0, per_op: bool = False, float32_floor: bool = False, noise_floor: bool = True,
+                 log=print) -> dict:
     """XLA greedy decode vs each backend teacher-forced on XLA's tokens (see the module doc).
 
     Per step: the largest |logit difference| relative to the largest XLA logit, and XLA's own
     top-1 minus top-2 logit margin (same scale): a greedy token can only change where that margin
-    is below twice the difference. `float32_floor` also runs XLA in float32 (the same weights,
-    upcast exactly): the bfloat16 reference's own distance from float32 arithmetic, the scale
-    a kernel path's difference should be judged on; the logit tolerance is then
-    max(2^-7, 2 x that floor) instead of 2^-7.
+    is below twice the difference. Noise floors set the logit tolerance to max(2^-7, 2 x floor):
+    `noise_floor` runs two control rows, XLA with its router weights nudged by one float32 ulp
+    up / down (router_nudged_plan); `float32_floor` runs XLA in float32 (the same weights, upcast
+    exactly; needs the dense weights twice over in float32): the bfloat16 reference's own
+    distance from float32 arithmetic. Control rows are reported, not judged.
     """
     import k3jax
     from k3jax.backend import KernelPlan
@@ -225,51 +246,68 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
              "top2_margin": [float(m) for m in margin]}]
     log(f"xla     greedy decode of {steps} steps: {rows[0]['seconds']:.0f} s (compile included); "
         f"smallest top-1/top-2 margin {margin.min():.1e} of the largest logit")
-    tol = TOLERANCE["bfloat16"]
-    if float32_floor:
-        try:
-            _, wide = decode_logits(_upcast(model), prompt, steps, forced=tokens[:, :-1])
-            floor = float(jnp.max(jnp.abs(wide - ref))) / scale
-            del wide
-        except Exception as e:  # noqa: BLE001 - e.g. the float32 copy does not fit: judge on 2^-7
-            rows[0]["float32_floor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            log(f"float32 floor not measured ({type(e).__name__}); tolerance stays {tol:.1e}")
-        else:
-            rows[0]["float32_floor"] = floor
-            tol = max(tol, 2 * floor)
-            log(f"float32 XLA vs bfloat16 XLA: max logit difference {floor:.2e} -> tolerance {tol:.2e}")
-    for label, plan in parity_plans(backends, per_op):
-        model.plan = plan
+
+    def compare(label: str, plan, wide: bool = False) -> dict:
+        """One teacher-forced run against XLA's logits, as a report row."""
+        model_run = _upcast(model) if wide else model
+        model_run.plan = plan
         clear_fallbacks()
         t0 = time.perf_counter()
         try:
-            forced_tokens, logits = decode_logits(model, prompt, steps, forced=tokens[:, :-1])
-        except Exception as e:  # noqa: BLE001 - one configuration that fails to build/run is a failed row
+            forced_tokens, logits = decode_logits(model_run, prompt, steps, forced=tokens[:, :-1])
+        except Exception as e:  # noqa: BLE001 - a configuration that fails to build/run is a row
             note = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            rows.append({"backend": label, "error": note, "passed": False, "seconds": time.perf_counter() - t0})
             log(f"{label:7s} FAILED to run: {note}")
-            continue
+            return {"backend": label, "error": note, "passed": False, "seconds": time.perf_counter() - t0}
         per_step = np.asarray(jnp.max(jnp.abs(logits - ref), axis=(1, 2))) / scale     # [steps]
-        err = float(per_step.max())
-        same = np.asarray(jnp.argmax(logits, -1).T == tokens[:, 1:])      # [B, steps]
-        differ = [int(i) for i in np.nonzero(~same.all(0))[0]]
+        del logits
+        differ = [int(i) for i in np.nonzero(~np.asarray(forced_tokens[:, 1:] == tokens[:, 1:]).all(0))[0]]
         kernels = {op: i for op, i in plan.describe().items() if i != "xla"}
-        row = {"backend": label, "kernels": kernels,
-               # why a kernel ran its reference instead, for some call of this configuration
-               "fallbacks": {k: v for k, v in fallbacks().items() if kernels.get(k.split("/")[0]) == k.split("/")[1]},
-               "logit_rel_err": err, "per_step_rel_err": [float(e) for e in per_step], "tolerance": tol,
-               "greedy_identical": not differ, "different_steps": differ,
-               "first_different_step": differ[0] if differ else None,
-               # a flip is explained by the logit difference when XLA's own margin is below twice it
-               "unexplained_flips": [i for i in differ if margin[i] > 2 * per_step[i]],
-               "prefill_token_same": bool(jnp.all(forced_tokens[:, 0] == tokens[:, 0])),
-               "seconds": time.perf_counter() - t0}
-        row["passed"] = err <= tol and not row["unexplained_flips"]
-        rows.append(row)
+        return {"backend": label, "kernels": kernels,
+                # why a kernel ran its reference instead, for some call of this configuration
+                "fallbacks": {k: v for k, v in fallbacks().items()
+                              if kernels.get(k.split("/")[0]) == k.split("/")[1]},
+                "logit_rel_err": float(per_step.max()), "per_step_rel_err": [float(e) for e in per_step],
+                "greedy_identical": not differ, "different_steps": differ,
+                "first_different_step": differ[0] if differ else None,
+                # a flip is explained by the logit difference when XLA's own margin is below twice it
+                "unexplained_flips": [i for i in differ if margin[i] > 2 * per_step[i]],
+                "prefill_token_same": bool(jnp.all(forced_tokens[:, 0] == tokens[:, 0])),
+                "seconds": time.perf_counter() - t0}
+
+    def describe(row: dict) -> str:
+        differ, per_step = row["different_steps"], row["per_step_rel_err"]
         flips = "; ".join(f"step {i}: margin {margin[i]:.1e}, diff {per_step[i]:.1e}" for i in differ[:3])
-        log(f"{label:7s} logits rel err {err:.2e} (tol {tol:.1e}; step 0: {per_step[0]:.1e}); greedy tokens "
-            f"{'identical' if not differ else f'differ at {len(differ)} step(s) ({flips})'} over {steps} steps "
-            f"x {batch} sequences  {'PASS' if row['passed'] else 'FAIL'}")
+        return (f"{row['backend']:7s} logits rel err {row['logit_rel_err']:.2e} (step 0: {per_step[0]:.1e}); "
+                f"greedy tokens {'identical' if not differ else f'differ at {len(differ)} step(s) ({flips})'} "
+                f"over {steps} steps x {batch} sequences")
+
+    controls = []
+    if noise_floor:
+        controls += [("xla:router+ulp", router_nudged_plan(jnp.inf), False),
+                     ("xla:router-ulp", router_nudged_plan(-jnp.inf), False)]
+    if float32_floor:
+        controls.append(("xla:float32", KernelPlan.for_backend("xla"), True))
+    floors = []
+    for label, plan, wide in controls:
+        row = {**compare(label, plan, wide), "control": True}
+        row.pop("passed", None)
+        rows.append(row)
+        if "error" not in row:
+            floors.append(row["logit_rel_err"])
+            log(describe(row) + "  (control)")
+    tol = max([TOLERANCE["bfloat16"]] + [2 * f for f in floors])
+    rows[0]["tolerance"] = tol
+    if floors:
+        log(f"noise floor {max(floors):.2e} of the largest logit -> tolerance {tol:.2e}")
+    for label, plan in parity_plans(backends, per_op):
+        row = compare(label, plan)
+        rows.append(row)
+        if "error" in row:
+            continue
+        row["tolerance"] = tol
+        row["passed"] = row["logit_rel_err"] <= tol and not row["unexplained_flips"]
+        log(f"{describe(row)}  (tol {tol:.1e})  {'PASS' if row['passed'] else 'FAIL'}")
         for op_impl, whys in row["fallbacks"].items():
             log(f"        {op_impl} fell back to XLA for: {'; '.join(whys)}")
     dev = jax.devices()[0]
@@ -287,7 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="--model: greedy decode steps")
     p.add_argument("--batch", type=int, default=1, help="--model: sequences")
     p.add_argument("--float32-floor", action="store_true",
-                   help="--model: also run XLA in float32 and judge logits against that noise floor (needs 2x memory)")
+                   help="--model: also run XLA in float32 as a noise-floor control (the dense weights in float32)")
+    p.add_argument("--no-noise-floor", action="store_true",
+                   help="--model: skip the router-ulp control rows (the default noise floor)")
     p.add_argument("--per-op", action="store_true",
                    help="--model: compare each op's kernel alone (on top of XLA) instead of whole backends")
     p.add_argument("--backend", default="pallas", choices=[b for b in BACKENDS if b != "xla"])
@@ -301,9 +341,9 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
         result = model_parity(a.preset, a.backends.split(","), a.steps, a.batch, per_op=a.per_op,
-                              float32_floor=a.float32_floor)
+                              float32_floor=a.float32_floor, noise_floor=not a.no_noise_floor)
         atomic.write_json(a.out + ".json", result)
-        failed = [r["backend"] for r in result["rows"][1:] if not r["passed"]]
+        failed = [r["backend"] for r in result["rows"][1:] if not r.get("control") and not r["passed"]]
         print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all backends match xla'}; report: {a.out}.json")
         return 1 if failed else 0
     sizes = set(a.sizes.split(",")) if a.sizes else None

@@ -80,6 +80,10 @@ class OpSpec:
     tolerance: Callable[[tuple, dict], float] | None = None
     notes: str = ""
 
+    def sweep(self, *sizes: str) -> list[Case]:
+        """The cases of this op's shape sweep: all, or those tagged with any of `sizes`."""
+        return [c for c in self.cases() if not sizes or c.sizes & set(sizes)]
+
     def error(self, out, ref, args, kwargs) -> float:
         if self.compare is not None:
             return self.compare(out, ref, args, kwargs)

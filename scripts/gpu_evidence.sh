@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# The GPU evidence for the kernel paths in one run (fits one 10-minute device call):
-# per-op validation at K3 shapes, per-op timings, whole-model backend parity, whole-step timings.
+# The GPU evidence for the kernel paths: per-op validation at K3 shapes, per-op timings,
+# whole-model backend parity, whole-step timings.
 #
-#   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]    # phases: validate ops parity model bisect
+#   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]
+#   phases: validate ops parity model bisect | torch kimi contexts
 #
-# `bisect` (not in the default set) runs the parity per op, to attribute a parity failure, with
-# the float32 noise floor when the float32 copy of the dense weights fits (~+24 GB for k3-h200).
+# One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
+# `torch kimi contexts` (the phase limits below add up to under 600 s). `torch` times the PyTorch
+# reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
+# TORCH_PRESET (default kimi-linear-48b-h200), `kimi` times k3jax on that same preset, `contexts`
+# times PRESET at batch 1 with 8k and 32k cached tokens. `bisect` runs the parity per op, to attribute a parity
+# failure. Parity is judged against the router-ulp noise floor (k3jax.validate.router_nudged_plan).
 # Each phase has a time limit and writes its JSON / log under $OUT even when the limit cuts it
-# short (the tools save partial results). PRESET (default k3-h200) and BATCHES (default 1,8)
-# select the model points. Build the CuTe library first (python -m cute_bridge.build) and take
+# short (the tools save partial results). PRESET (default k3-h200), BATCHES (default 1,8) and
+# GRANULARITIES (default xla-ops,per-op) select the model points. Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
 OUT=${OUT:-gpu_evidence}
 PRESET=${PRESET:-k3-h200}
 BATCHES=${BATCHES:-1,8}
+GRANULARITIES=${GRANULARITIES:-xla-ops,per-op}
+TORCH_PRESET=${TORCH_PRESET:-kimi-linear-48b-h200}
 mkdir -p "$OUT"
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(validate ops parity model)
+[ ${#phases[@]} -eq 0 ] && phases=(parity model)
 
 run_phase() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -33,13 +40,29 @@ for phase in "${phases[@]}"; do
   case $phase in
     validate) run_phase validate 120 python -m k3jax.validate --sizes k3 --repeats 1 --out "$OUT/validate" ;;
     ops)      run_phase ops 120 python -m k3jax.bench --ops --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
-    parity)   run_phase parity 150 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
+    parity)   run_phase parity 210 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
                 --steps 64 --out "$OUT/parity" ;;
-    bisect)   run_phase bisect 400 python -m k3jax.validate --model --per-op --float32-floor --preset "$PRESET" --backends pallas \
+    bisect)   run_phase bisect 400 python -m k3jax.validate --model --per-op --preset "$PRESET" --backends pallas \
                 --steps 64 --out "$OUT/bisect" ;;
-    model)    run_phase model 180 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
-                --contexts 1024 --backends xla,pallas,cute --granularities xla-ops,per-op --steps 16 \
+    model)    run_phase model 330 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
+                --contexts 1024 --backends xla,pallas,cute --granularities "$GRANULARITIES" --steps 16 \
                 --no-progress --out "$OUT/model.json" ;;
-    *) echo "unknown phase $phase (validate ops parity model bisect)"; exit 2 ;;
+    torch)    run_phase torch-ops 60 python benchmarks/torch_reference.py --ops --batches "$BATCHES" \
+                --out "$OUT/torch-ops.json"
+              run_phase torch-model 180 python benchmarks/torch_reference.py --model --preset "$TORCH_PRESET" \
+                --batches "$BATCHES" --contexts 1024 --settings compile+cudagraphs,eager --steps 16 \
+                --out "$OUT/torch-model.json" ;;
+    kimi)     run_phase kimi 110 python -m k3jax.bench --model --preset "$TORCH_PRESET" --batches "$BATCHES" \
+                --contexts 1024 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
+                --no-progress --out "$OUT/kimi.json" ;;
+    contexts) run_phase contexts 110 python -m k3jax.bench --model --preset "$PRESET" --batches 1 \
+                --contexts 8192,32768 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
+                --no-progress --out "$OUT/contexts.json" ;;
+    *) echo "unknown phase $phase (validate ops parity model bisect torch kimi contexts)"; exit 2 ;;
   esac
 done
+
+# The device tool returns at most 8 files from $OUT: past that, everything travels as one archive.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf gpu_evidence.tar.gz --remove-files -- *) && echo "results packed: $OUT/gpu_evidence.tar.gz"
+fi

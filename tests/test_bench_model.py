@@ -44,14 +44,21 @@ def test_model_sweep_and_report(tmp_path):
     ops.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "d", "copy_bandwidth": 1e9},
                                "rows": [{"op": "linear", "case": "c", "batch": 1, "backend": b, "bytes": 1e6,
                                          "device_s": t, "tb_per_s": 1e-6 / t, "frac_copy_bw": 0.5}
-                                        for b, t in (("xla", 2e-6), ("torch", 1e-6))]}))
+                                        for b, t in (("xla", 2e-6), ("pallas", 1e-6), ("torch", 0.5e-6))]}))
+    newer = tmp_path / "ops_newer.json"   # a later run of the same device and case: its xla row wins
+    newer.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "e", "copy_bandwidth": 1e9},
+                                 "rows": [{"op": "linear", "case": "c", "batch": 1, "backend": "xla", "bytes": 1e6,
+                                           "device_s": 4e-6, "tb_per_s": 0.25, "frac_copy_bw": 0.25}]}))
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Results\n{bench.REPORT_BEGIN}\nold\n{bench.REPORT_END}\ntail\n")
-    assert bench.main(["--report", str(out), str(legacy), str(ops), "--update", str(doc),
+    assert bench.main(["--report", str(out), str(out), str(legacy), str(ops), str(newer), "--update", str(doc),
                        "--plots", str(tmp_path / "img" / "r")]) == 0
     text = doc.read_text()
     assert "old" not in text and text.endswith("tail\n") and "pallas / per-op" in text
-    assert "torch us" in text and "2.00x" in text and "![r-k3-tiny.png](img/r-k3-tiny.png)" in text
+    assert text.count("| k3-tiny | cpu | ") == 1            # the same point given twice: one row
+    # one ops table per device; speedup = the best k3jax kernel (not torch) vs the newest xla row
+    assert text.count("### Per-op kernels") == 1 and "torch us" in text and "4.00x" in text
+    assert "![r-k3-tiny.png](img/r-k3-tiny.png)" in text
     assert bench.main(["--report", str(tmp_path / "missing.json")]) == 2
 
 

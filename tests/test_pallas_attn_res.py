@@ -12,8 +12,8 @@ from pallas_kernels import attn_res_mix as arm
 from pallas_kernels import mgpu, registry
 
 SPEC = registry.spec("attn_res_mix")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 
 
 @pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)

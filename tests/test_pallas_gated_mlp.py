@@ -12,8 +12,8 @@ from pallas_kernels import gated_mlp as gm
 from pallas_kernels import mgpu, registry
 
 SPEC = registry.spec("gated_mlp")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 TOL = registry.TOLERANCE["bfloat16"]
 
 

@@ -12,8 +12,8 @@ from pallas_kernels import linear as lin
 from pallas_kernels import mgpu, registry
 
 SPEC = registry.spec("linear")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 
 
 def test_interpret_mode_poisons_unwritten_output():

@@ -12,8 +12,8 @@ from pallas_kernels import mgpu, registry
 from pallas_kernels import mla_decode as mla
 
 SPEC = registry.spec("mla_decode")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 
 
 # b2_h8_c128_l128 runs in test_kv_len_is_a_traced_value (twice, two lengths): kept out here for time.

@@ -14,8 +14,8 @@ from pallas_kernels import mgpu, registry
 from pallas_kernels import moe_experts as me
 
 SPEC = registry.spec("moe_experts")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_")) or c.name.startswith("fallback")]
 
 

@@ -74,9 +74,28 @@ def test_model_parity_cli(tmp_path):
     assert validate.main(["--model", "--preset", "k3-tiny", "--backends", "pallas", "--steps", "3",
                           "--out", prefix]) == 0
     report = json.load(open(prefix + ".json"))
-    row = report["rows"][1]
+    controls, (row,) = report["rows"][1:3], report["rows"][3:]
+    assert [c["backend"] for c in controls] == ["xla:router+ulp", "xla:router-ulp"]
+    assert all(c["control"] and "passed" not in c for c in controls)
     assert row["backend"] == "pallas" and row["greedy_identical"] and row["passed"]
     assert len(report["tokens"][0]) == 4 and len(row["per_step_rel_err"]) == 3
+
+
+def test_router_nudge_moves_router_weights_by_one_float32_ulp():
+    import jax.numpy as jnp
+    from k3jax import ops
+    kx, kw, kb = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (4, 64), jnp.bfloat16)
+    w = (jax.random.normal(kw, (16, 64)) * 64 ** -0.5).astype(jnp.bfloat16)   # logits O(1): sigmoid not saturated
+    bias = 0.01 * jax.random.normal(kb, (16,))
+    kw_ = dict(top_k=4, activation="sigmoid", renormalize=True, scaling=2.5)
+    ids, weights = ops.route(x, w, bias, **kw_)
+    for direction in (jnp.inf, -jnp.inf):
+        plan = validate.router_nudged_plan(direction)
+        assert plan("linear") is REFERENCES["linear"]
+        nudged_ids, nudged = plan("route")(x, w, bias, **kw_)
+        assert (nudged_ids == ids).all()
+        assert 0 < float(jnp.max(jnp.abs(nudged - weights))) < 1e-6 * float(jnp.max(weights))
 
 
 def test_parity_plans_isolate_one_op():
@@ -93,8 +112,9 @@ def test_every_pallas_kernel_runs_in_the_whole_model(tmp_path):
     the logits stay within twice the bf16 reference's own distance from float32."""
     prefix = str(tmp_path / "parity")
     assert validate.main(["--model", "--preset", "k3-small", "--backends", "pallas", "--steps", "2",
-                          "--float32-floor", "--out", prefix]) == 0
-    row = json.load(open(prefix + ".json"))["rows"][1]
+                          "--float32-floor", "--no-noise-floor", "--out", prefix]) == 0
+    float32, row = json.load(open(prefix + ".json"))["rows"][1:]
+    assert float32["backend"] == "xla:float32" and float32["control"]
     assert set(row["fallbacks"]) <= {"linear/pallas"}
     assert all("weight bfloat16[2, " in why for why in row["fallbacks"].get("linear/pallas", []))
     assert set(row["kernels"]) == {

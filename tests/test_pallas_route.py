@@ -12,8 +12,8 @@ from pallas_kernels import mgpu, registry
 from pallas_kernels import route as rt
 
 SPEC = registry.spec("route")
-SMALL = [c for c in SPEC.cases() if "small" in c.sizes]
-K3 = [c for c in SPEC.cases() if "k3" in c.sizes]
+SMALL = SPEC.sweep("small")
+K3 = SPEC.sweep("k3")
 
 
 @pytest.mark.parametrize("case", [c for c in SMALL if not c.name.startswith("ties")], ids=lambda c: c.name)
