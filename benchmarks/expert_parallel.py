@@ -4,6 +4,8 @@ MoE layer, and the whole decode step of an expert-parallel preset (tokens/s, roo
     python benchmarks/expert_parallel.py --out ep.json                      # every EP size the host allows
     python benchmarks/expert_parallel.py --ep 8,4,2 --step-mesh ep=8 --out ep8.json   # 8 GPUs
     python benchmarks/expert_parallel.py --cpu-smoke --out smoke.json       # tiny shapes on CPU devices
+    python benchmarks/expert_parallel.py --ep '' --step-mesh ep=2 --batches 1,8 --step-variants packed \
+        --step-backends xla,pallas --out step.json                          # the k3-h200x2 step only
 
 Phase 1 ("moe_layer" rows), for each EP size in `--ep` (a mesh ep=N over the first N devices),
 batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_parallel with the
@@ -18,8 +20,12 @@ experts are built, so the phase takes seconds).
 
 Phase 2 ("rows", the k3jax.bench --model schema, so `python -m k3jax.bench --report` tables it):
 the jitted decode step of `--preset` on `--step-mesh`, timed by k3jax.bench (state at
-`--context` cached tokens), for each batch x `--step-variants`, batch-major. tokens/s = batch /
-step time; roofline = k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
+`--context` cached tokens), for each batch x `--step-backends` x `--step-variants`, batch-major.
+"xla" runs XLA ops only (granularity xla-ops); a kernel backend runs its per-op KernelPlan (the
+"moe_experts" kernel is each rank's local expert call inside the expert-parallel shard_map), and
+its row lists the kernels and `fallbacks` (op/backend -> why a call ran the XLA reference,
+pallas_kernels.registry.fallbacks()). tokens/s = batch / step time; roofline =
+k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
 
 The JSON is rewritten after every measured point, so a run killed at its time limit keeps what
 it measured; `--budget-s` stops starting new points in time for the summary table.
@@ -43,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3jax import atomic, moe_parallel, mxfp4, ops, sharding  # noqa: E402
+from k3jax.backend import BACKENDS  # noqa: E402
 
 ACT = dict(act="situ", beta=4.0, linear_beta=25.0)
 PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
@@ -105,7 +112,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
             ids, w = routing(kr, b, e, k)
         inputs[b] = (z, ids, w)
         refs[b] = np.asarray(one_device(z, ids, w, experts), np.float32)
-    ident = lambda rows, local_ids, ex: rows  # noqa: E731
+    ident = lambda rows, local_ids, valid, ex: rows  # noqa: E731
     rows = out.setdefault("moe_layer", [])
     for ep in a.ep:
         if time.time() > deadline:
@@ -148,7 +155,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
     del experts
 
 
-def tagged_expert(rows, local_ids, ex):
+def tagged_expert(rows, local_ids, valid, ex):
     """A stand-in for the expert math that depends on the global expert id (so a wrong routing
     shows) and costs one elementwise op: row * (1 + id / 1024)."""
     gid = jax.lax.axis_index(moe_parallel.AXIS) * ex.num_experts + local_ids
@@ -191,6 +198,7 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
     """Phase 2: decode-step rows (k3jax.bench schema) into out["rows"], batch-major."""
     import k3jax
     from k3jax import bench, costs
+    from pallas_kernels import registry
     t = time.time()
     model = k3jax.from_pretrained(a.preset, mesh=a.step_mesh, dtype=a.dtype)
     mesh = sharding.model_mesh(model)
@@ -203,27 +211,37 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
     save()
     print(f"created {a.preset} on {a.step_mesh} in {out['meta']['create_s']:.1f} s", flush=True)
     base = {"preset": a.preset, "device": dev.device_kind, "expert_format": model.cfg.expert_format,
-            "mesh": a.step_mesh, "backend": "xla", "granularity": "xla-ops", "kernels": {}}
+            "mesh": a.step_mesh}
     variants = [v for v in a.step_variants.split(",") if v]
     with jax.set_mesh(mesh):
         for b in [int(x) for x in a.batches.split(",")]:
-            for variant in variants:
-                head = {**base, "ep_variant": variant}
-                if variant == "ragged" and not ragged_runs_here():
-                    print(f"step batch {b}: ragged skipped: ragged_all_to_all does not run on XLA:CPU", flush=True)
-                    out["rows"].append({**head, "batch": b, "context": a.context, "status": "unavailable",
-                                        "reason": "ragged_all_to_all does not run on XLA:CPU"})
-                    continue
-                if time.time() > deadline:
-                    print(f"step phase: time budget reached before batch {b} {variant}", flush=True)
-                    return
-                sharding.set_ep_variant(model, variant)
-                row = bench._bench_point(model, head, b, a.context, a.step_steps, a.warmup, 0, bw * n_dev)
-                out["rows"].append(row)
-                save()
-                print(json.dumps({k: row.get(k) for k in ("mesh", "ep_variant", "batch", "status", "step_s",
-                                                          "tokens_per_s", "roofline_fraction", "compile_s",
-                                                          "reason")}), flush=True)
+            for backend in a.step_backends:
+                granularity = "xla-ops" if backend == "xla" else "per-op"
+                plan = bench.granularity_plan(backend, granularity)
+                for variant in variants:
+                    head = {**base, "backend": backend, "granularity": granularity, "ep_variant": variant}
+                    why = plan if isinstance(plan, str) else (
+                        "ragged_all_to_all does not run on XLA:CPU"
+                        if variant == "ragged" and not ragged_runs_here() else None)
+                    if why:
+                        print(f"step batch {b} {backend} {variant}: skipped: {why}", flush=True)
+                        out["rows"].append({**head, "batch": b, "context": a.context, "status": "unavailable",
+                                            "reason": why})
+                        continue
+                    if time.time() > deadline:
+                        print(f"step phase: time budget reached before batch {b} {backend} {variant}", flush=True)
+                        return
+                    sharding.set_ep_variant(model, variant)
+                    model.plan = plan
+                    head["kernels"] = {op: impl for op, impl in plan.describe().items() if impl != "xla"}
+                    registry.clear_fallbacks()
+                    row = bench._bench_point(model, head, b, a.context, a.step_steps, a.warmup, 0, bw * n_dev)
+                    row["fallbacks"] = registry.fallbacks()
+                    out["rows"].append(row)
+                    save()
+                    print(json.dumps({k: row.get(k) for k in (
+                        "mesh", "backend", "ep_variant", "batch", "status", "step_s", "tokens_per_s",
+                        "roofline_fraction", "compile_s", "reason", "fallbacks")}), flush=True)
 
 
 def summary(out: dict) -> str:
@@ -240,11 +258,14 @@ def summary(out: dict) -> str:
                      f"{'-' if s is None else f'{s:.1f}':>22s} {r['rel_err_vs_single_device']:9.2e}")
     for r in out.get("rows", []):
         if r["status"] != "ok":
-            lines.append(f"step {r['mesh']} {r['ep_variant']} batch {r['batch']}: {r['status']}: {r['reason']}")
+            lines.append(f"step {r['mesh']} {r['backend']} {r['ep_variant']} batch {r['batch']}: {r['status']}: "
+                         f"{r['reason']}")
             continue
-        lines.append(f"step {r['preset']} {r['mesh']} {r['ep_variant']} batch {r['batch']}: "
+        fell = "; fell back (see JSON): " + ", ".join(f"{k} x{len(v)}" for k, v in r["fallbacks"].items()) \
+            if r.get("fallbacks") else ""
+        lines.append(f"step {r['preset']} {r['mesh']} {r['backend']} {r['ep_variant']} batch {r['batch']}: "
                      f"{r['step_s'] * 1e3:.2f} ms, {r['tokens_per_s']:.1f} tok/s, roofline "
-                     f"{r['roofline_fraction']:.1%} (compile {r['compile_s']:.1f} s)")
+                     f"{r['roofline_fraction']:.1%} (compile {r['compile_s']:.1f} s){fell}")
     return "\n".join(lines)
 
 
@@ -263,6 +284,9 @@ def parse_args(argv=None):
     p.add_argument("--step-mesh", default=None, help="step phase mesh (default: ep=<largest --ep>; '' = no step phase)")
     p.add_argument("--preset", default=None, help="step phase preset (default: k3-h200x<ep> for the step mesh)")
     p.add_argument("--step-variants", default="packed,allgather,ragged")
+    p.add_argument("--step-backends", default=None,
+                   help="step phase KernelPlan backends, e.g. xla,pallas (the default; --cpu-smoke: xla): "
+                   "xla = XLA ops only, a kernel backend = its per-op plan")
     p.add_argument("--context", type=int, default=1024, help="step phase: cached tokens per sequence")
     p.add_argument("--step-steps", type=int, default=4, help="step phase: timed steps per point (k3jax.bench)")
     p.add_argument("--warmup", type=int, default=1)
@@ -274,9 +298,14 @@ def parse_args(argv=None):
                    help="layer phase: dispatch+combine only (identity expert; exactness checked with an "
                    "id-dependent elementwise stand-in), no MXFP4 experts, no full EP layer")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny shapes (16 experts, k3-tiny) on CPU devices: a2a, allgather; ragged skipped")
+                   help="tiny shapes (16 experts, k3-tiny) on CPU devices: ragged skipped; step phase xla "
+                   "unless --step-backends (Pallas kernels run in interpret mode: slow)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    a.step_backends = [b for b in (a.step_backends or ("xla" if a.cpu_smoke else "xla,pallas")).split(",") if b]
+    unknown = set(a.step_backends) - set(BACKENDS)
+    if unknown:
+        p.error(f"--step-backends: unknown {', '.join(sorted(unknown))}; choose from {', '.join(BACKENDS)}")
     if a.cpu_smoke:  # tiny defaults; options given on the command line win
         tiny = dict(experts=16, latent=64, intermediate=64, top_k=4, layers=2, repeats=1, batches="1,8",
                     context=16, step_steps=2, preset="k3-tiny")

@@ -3,15 +3,20 @@
 #   A. dispatch+combine per MoE layer, every variant, NCCL collectives (XLA's default);
 #   B. the same for the all-gather / all-reduce variants with XLA's own peer-to-peer collective
 #      kernels (--xla_gpu_experimental_use_collective_kernels; no NVLink multicast);
-#   C. the k3-h200x2 decode step on ep=2 with the variant (and collectives) fastest at 1 token in A/B.
+#   C. the k3-h200x2 decode step on ep=2 with the variant (and collectives) fastest at 1 token in A/B,
+#      batch 1 then 8, each with the backends in STEP_BACKENDS (default xla,pallas: XLA ops, then
+#      the Pallas per-op plan, whose moe_experts kernel runs inside the expert-parallel shard_map;
+#      its rows list the kernels that fell back). The preset takes ~210 s to create, then ~25 s per
+#      point (compile + steps): 4 points need BUDGET_S ~480.
 # Writes $OUT/expert-parallel-h200x2.json (all rows) and per-phase logs; stops C in time for the merge.
-#   OUT=/tmp/ep BUDGET_S=320 bash benchmarks/expert_parallel_h200x2.sh
-#   STEP_VARIANT=packed bash benchmarks/expert_parallel_h200x2.sh      # C alone, with that variant
+#   OUT=/tmp/ep bash benchmarks/expert_parallel_h200x2.sh                    # A, B, C: BUDGET_S=540 by default
+#   STEP_VARIANT=packed BUDGET_S=480 bash benchmarks/expert_parallel_h200x2.sh   # C alone, with that variant
+#   STEP_VARIANT=packed STEP_BACKENDS=pallas bash benchmarks/expert_parallel_h200x2.sh
 # XLA aborts on XLA_FLAGS=" " (it takes it for a file name), hence the $(echo ...) below.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/ep}
-BUDGET_S=${BUDGET_S:-320}
+BUDGET_S=${BUDGET_S:-540}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 END=$(( $(date +%s) + BUDGET_S ))
@@ -47,9 +52,10 @@ EOF
 [ "$FLAGS" = "-" ] && FLAGS=""
 [ -n "${STEP_VARIANT:-}" ] && VARIANT=$STEP_VARIANT FLAGS=${STEP_XLA_FLAGS:-}
 LEFT=$(( END - $(date +%s) - 10 ))
-echo "step phase: variant $VARIANT, XLA_FLAGS='$FLAGS', ${LEFT} s left"
+echo "step phase: variant $VARIANT, backends ${STEP_BACKENDS:-xla,pallas}, XLA_FLAGS='$FLAGS', ${LEFT} s left"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 XLA_FLAGS="$(echo $BASE $FLAGS)" timeout "$LEFT" $PY benchmarks/expert_parallel.py --ep '' \
-    --step-mesh ep=2 --batches 1,8 --step-variants "$VARIANT" --step-steps 4 --budget-s $(( LEFT - 60 )) \
+    --step-mesh ep=2 --batches 1,8 --step-variants "$VARIANT" --step-backends "${STEP_BACKENDS:-xla,pallas}" \
+    --step-steps 4 --budget-s $(( LEFT - 60 )) \
     ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 | tee "$OUT/log_step.txt"
 
 $PY - "$OUT" "$CK" "$FLAGS" <<'EOF'

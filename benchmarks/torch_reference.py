@@ -36,10 +36,14 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax only computes shapes and byte counts here
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:
+    sys.exit("benchmarks/torch_reference.py needs PyTorch and transformers: bash scripts/setup.sh torch "
+             "(or pip install -e .[torch])")
 
 from k3jax import atomic  # noqa: E402
-from k3jax.bench import _ints  # noqa: E402
+from k3jax.cli import int_list  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.costs import MEASURED_COPY_BANDWIDTH, decode_step_bytes  # noqa: E402
 
@@ -172,8 +176,8 @@ def bench_model(a, device, dtype) -> dict:
             "state": "StaticCache advanced to lengths = context with random contents (no prefill)",
             "timer": "wall", "experts_implementation": experts}
     for setting in settings:
-        for context in _ints(a.contexts, "--contexts"):
-            for batch in _ints(a.batches, "--batches"):
+        for context in int_list(a.contexts, "--contexts"):
+            for batch in int_list(a.batches, "--batches"):
                 row = {"preset": name, "device": dev_name, "expert_format": cfg.expert_format, "mesh": None,
                        "ep_variant": None, "backend": "torch", "granularity": setting,
                        "kernels": {"experts": experts}, "batch": batch, "context": context}
@@ -250,7 +254,7 @@ def bench_ops(a, device) -> dict:
     from pallas_kernels import registry
     linear = registry.spec("linear")
     bw = copy_bandwidth(device)
-    batches = set(_ints(a.batches, "--batches"))
+    batches = set(int_list(a.batches, "--batches"))
     rows = []
 
     def add(op, case, batch, nbytes, flops, fn, arg_sets):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cute_bridge import ops as cute_ops
-from k3jax import mxfp4, ops
+from k3jax import atomic, costs, mxfp4, ops
 
 # (rows, out, in): K3 decode projections at batch 1 and 8, and the GPU notes' 28672 x 8192.
 GEMV_CASES = [(1, 28672, 8192), (1, 12288, 7168), (1, 7168, 12288), (1, 1536, 7168), (1, 18432, 1536),
@@ -44,12 +43,6 @@ def timeit(f, args_list, reps: int = 7, calls: int = 20) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / calls)
     return float(np.median(times))
-
-
-def copy_rate() -> float:
-    x = jnp.ones((1 << 29,), jnp.float32)           # 2 GiB
-    f = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / timeit(f, [(x,)], reps=5, calls=10)
 
 
 def gemv_case(key, rows, n, k, ceiling):
@@ -95,14 +88,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="cute_bench.json")
     args = p.parse_args(argv)
-    ceiling = copy_rate()
+    ceiling = costs.copy_bandwidth()
     key = jax.random.key(0)
     rows = [gemv_case(jax.random.fold_in(key, i), *c, ceiling) for i, c in enumerate(GEMV_CASES)]
     rows += [moe_case(jax.random.fold_in(key, 100 + i), *c, ceiling) for i, c in enumerate(MOE_CASES)]
     result = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
               "copy_rate_tb_s": ceiling / 1e12, "cases": rows}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    atomic.write_json(args.out, result)
     print(f"device {result['device']}, copy rate {ceiling / 1e12:.2f} TB/s")
     print(f"{'op':12} {'shape':42} {'rel_err':>8} {'cute us':>9} {'xla us':>9} {'cute roof':>9} {'xla roof':>9}")
     for r in rows:

@@ -8,11 +8,15 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
-    """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`,
-    on any error it is removed."""
+    """Yields a temporary path beside `path`; on success it is fsynced and renamed onto `path`
+    (keeping an existing file's permissions, else those of a newly created file: mkstemp's are
+    owner-only), on any error it is removed."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=directory)
@@ -21,6 +25,7 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

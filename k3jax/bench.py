@@ -20,7 +20,8 @@ sweep. Writes JSON (schema in docs/bench.md), a Markdown table and PNG plots bes
 `--ops`: per-op device time at real K3 shapes (each op's "k3" cases in pallas_kernels; `--sizes
 small` runs the small CI shapes instead, for a smoke run anywhere), for
 each backend, with achieved bytes/s (the op's minimum bytes, OpSpec.cost) and its fraction of
-the device-to-device copy bandwidth measured in the same run. Every implementation is checked
+the device's copy bandwidth (k3jax.costs.copy_bandwidth, the one denominator of every roofline in
+k3jax: measured, BENCHMARKS.md, or measured on the spot for other devices). Every implementation is checked
 against the reference before it is timed. Times are the sum of the op's GPU kernel durations
 (CUPTI, as jax.experimental.mosaic.gpu.profiler does), median over rounds; inputs rotate over
 enough copies that they do not fit in the 60 MB L2. Wall-clock per call (launch gaps
@@ -46,8 +47,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k3jax import atomic
-from k3jax.backend import REFERENCES
+from k3jax import atomic, costs
+from k3jax.backend import BACKENDS, REFERENCES
+from k3jax.cli import check_preset, int_list, run_cli
 
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 4 * L2_BYTES     # the rotation's working set: several times the L2
@@ -104,20 +106,12 @@ def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
     return out
 
 
-def measure_copy_bandwidth(nbytes: int | None = None) -> float:
-    """Device-to-device copy rate, bytes read + written per second (rotating over 2 buffers)."""
-    nbytes = nbytes or (2 << 30 if jax.default_backend() == "gpu" else 1 << 24)
-    xs = [jnp.full((nbytes // 4,), float(i + 1), jnp.float32) for i in range(2)]
-    t = time_rotating(lambda a: a * 1.0000001, [(x,) for x in xs], rounds=7)
-    return 2 * nbytes / t["device_s"]
-
-
 def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str = "k3", log=print,
               on_row=None) -> dict:
     """Per-op timings (see the module doc); `on_row(result)` after every row (partial results)."""
     from pallas_kernels import registry
 
-    copy_bw = measure_copy_bandwidth()
+    copy_bw = costs.copy_bandwidth()
     log(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
     rows = []
     dev = jax.devices()[0]
@@ -253,21 +247,6 @@ def _random_state(cfg, batch: int, max_len: int, context: int, key, dtype):
     return sharding.constrain_state(state)
 
 
-def _fits(cfg, batch: int, max_len: int, dtype, n_devices: int) -> str | None:
-    """Why the decode state of `batch` x `max_len` will not fit next to the weights, or None."""
-    from k3jax.cache import state_bytes
-    from k3jax.weights import device_memory_bytes
-    itemsize = jnp.dtype(dtype).itemsize
-    # The state is updated in place (donated); logits [B, V] float32 and the sampling temporaries
-    # are the largest activations.
-    need = state_bytes(cfg, batch, max_len, itemsize) + 4 * batch * cfg.vocab_size * 4
-    free = device_memory_bytes()
-    if free is not None and need / n_devices > 0.9 * free:
-        return (f"needs ~{need / n_devices / 2**30:.1f} GiB per device for the decode state (batch {batch}, "
-                f"{max_len} positions) and logits, but ~{free / 2**30:.1f} GiB is free beside the weights")
-    return None
-
-
 def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup: int = 3,
                      seed: int = 0) -> dict:
     """Times `k3jax.generation._decode_step` (the step `generate` runs) at `batch` x `context`.
@@ -345,7 +324,7 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     from tqdm.auto import tqdm
 
     import k3jax
-    from k3jax import costs, sharding
+    from k3jax import sharding
     configs = sweep_configs(backends, granularities)
     dev = jax.devices()[0]
     rows: list[dict] = []
@@ -419,20 +398,18 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
 def _bench_point(model, head: dict, batch: int, context: int, steps: int, warmup: int, seed: int,
                  bandwidth: float) -> dict:
     """One row: time the step, or say why not (never raises for a device limit)."""
-    from k3jax import costs, sharding
+    from k3jax import sharding
+    from k3jax.weights import OutOfMemoryError, check_fits
     cfg = model.cfg
     row = {**head, "batch": batch, "context": context}
-    # Batch axes that do not divide the batch are dropped (k3jax.sharding; batch 1 runs
-    # replicated), so the state splits over the ones that do.
-    mesh = sharding.model_mesh(model)
-    n_dev = 1 if mesh is None else batch // sharding.batch_sharding(mesh, (batch,)).shard_shape((batch,))[0]
     max_len = context + warmup + 3 * steps + 1
     if max_len > cfg.max_position_embeddings:
         return {**row, "status": "skipped",
                 "reason": f"context {context} exceeds max_position_embeddings {cfg.max_position_embeddings}"}
-    why = _fits(cfg, batch, max_len, model.dtype, n_dev)
-    if why:
-        return {**row, "status": "skipped", "reason": why}
+    try:
+        check_fits(cfg, model.dtype, mesh=sharding.model_mesh(model), batch=batch, max_len=max_len, params=False)
+    except OutOfMemoryError as e:
+        return {**row, "status": "skipped", "reason": str(e)}
     try:
         t = time_decode_step(model, batch, context, steps=steps, warmup=warmup, seed=seed)
     except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep
@@ -638,18 +615,8 @@ def update_doc(doc: str, block: str) -> None:
     atomic.write_text(doc, f"{pre}{REPORT_BEGIN}\n{block}{REPORT_END}{post}")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise SystemExit(f"error: {flag} must be comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise SystemExit(f"error: {flag} needs positive integers, got {text!r}")
-    return vals
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m k3jax.bench", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", action="store_true", help="whole-model decode step sweep")
     mode.add_argument("--ops", nargs="*", metavar="NAME", help="per-op benchmark (default: every op with a kernel)")
@@ -671,14 +638,18 @@ def main(argv=None) -> int:
     p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    command = "python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    return run_cli("k3jax.bench", lambda: _main(a, command))
+
+
+def _main(a: argparse.Namespace, command: str) -> int:
     # Before the first device use: the state of large sweeps needs most of the GPU (as generate would).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.report:
         missing = [f for f in a.report if not os.path.exists(f)]
         if missing:
-            print(f"error: no such result file(s): {', '.join(missing)}", file=sys.stderr)
-            return 2
+            raise FileNotFoundError(f"no such result file(s): {', '.join(missing)}")
         prefix = a.plots or os.path.join(os.path.dirname(a.report[0]) or ".", "plots", "report")
         link_dir = os.path.dirname(os.path.abspath(a.update)) if a.update else None
         block = report_markdown(a.report, prefix, link_dir, log=lambda s: print(s, file=sys.stderr))
@@ -687,6 +658,9 @@ def main(argv=None) -> int:
             print(f"updated {a.update}", file=sys.stderr)
         print(block)
         return 0
+    backends = a.backends.split(",") if a.backends else None
+    if backends and set(backends) - set(BACKENDS):
+        raise ValueError(f"unknown backend(s) {sorted(set(backends) - set(BACKENDS))}; choose from {', '.join(BACKENDS)}")
     if jax.default_backend() != "gpu":
         print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
               file=sys.stderr)
@@ -694,16 +668,15 @@ def main(argv=None) -> int:
         grans = a.granularities.split(",")
         bad = [g for g in grans if g not in GRANULARITIES]
         if bad:
-            print(f"error: unknown granularity {bad}; choose from {', '.join(GRANULARITIES)}", file=sys.stderr)
-            return 2
+            raise ValueError(f"unknown granularity {bad}; choose from {', '.join(GRANULARITIES)}")
+        check_preset(a.preset)
+        batches, contexts = int_list(a.batches or DEFAULT_BATCHES, "--batches"), int_list(a.contexts, "--contexts")
         out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
-        save = lambda res: atomic.write_text(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
-        result = bench_model(a.preset, (a.backends or "xla,pallas,cute").split(","), grans,
-                             _ints(a.batches or DEFAULT_BATCHES, "--batches"), _ints(a.contexts, "--contexts"),
+        save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
+        result = bench_model(a.preset, backends or list(BACKENDS), grans, batches, contexts,
                              expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
                              dtype=a.dtype, mesh=a.mesh, ep_variants=a.ep_variants.split(","), steps=a.steps,
-                             warmup=a.warmup, on_row=save, progress=not a.no_progress,
-                             command="python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv))
+                             warmup=a.warmup, on_row=save, progress=not a.no_progress, command=command)
         save(result)
         stem = out[:-5] if out.endswith(".json") else out
         table = model_table(result["rows"])
@@ -713,10 +686,12 @@ def main(argv=None) -> int:
         print(f"results: {out}, {stem}.md" + "".join(f", {q}" for q in plots))
         return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
     ops = a.ops or list(REFERENCES)
+    if set(ops) - set(REFERENCES):
+        raise ValueError(f"unknown op(s) {sorted(set(ops) - set(REFERENCES))}; ops are {', '.join(REFERENCES)}")
+    batches = set(int_list(a.batches or "1,8,32,128", "--batches"))
     out = a.out or f"benchmarks/results/ops-{stamp}.json"
-    save = lambda res: atomic.write_text(out, json.dumps(res, indent=1))  # noqa: E731 - partial results survive a kill
-    result = bench_ops(ops, (a.backends or "xla,pallas").split(","),
-                       set(_ints(a.batches or "1,8,32,128", "--batches")), a.sizes, on_row=save)
+    save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
+    result = bench_ops(ops, backends or ["xla", "pallas"], batches, a.sizes, on_row=save)
     save(result)
     print(summary_table(result))
     print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")

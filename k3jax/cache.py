@@ -19,6 +19,8 @@ from k3jax.config import K3Config
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KDAState:
+    """One KDA layer's state: the short-conv window and the recurrent state S."""
+
     conv: jax.Array       # [B, K-1, 3 * kda_dim], model dtype
     recurrent: jax.Array  # [B, H, K, V], float32
 
@@ -26,23 +28,23 @@ class KDAState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MLAState:
+    """One MLA layer's compressed cache; positions at or past `lengths` are unfilled (masked)."""
+
     latent: jax.Array     # [B, L, kv_lora_rank + qk_rope_head_dim], model dtype
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
+    """The whole decode state: per-sequence lengths and one KDAState / MLAState per decoder layer."""
+
     lengths: jax.Array                          # [B] int32, tokens cached per sequence
     layers: tuple[KDAState | MLAState, ...]     # one entry per decoder layer
 
     @property
     def batch_size(self) -> int:
+        """B, the number of sequences."""
         return self.lengths.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        mla = [s for s in self.layers if isinstance(s, MLAState)]
-        return mla[0].latent.shape[1] if mla else 1 << 62
 
 
 # The MLA cache holds a whole number of CACHE_BLOCK-token blocks: decode-attention kernels tile

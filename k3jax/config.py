@@ -204,8 +204,18 @@ class K3Config:
             raise ConfigError(f"model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
         return _from_text_config(hf, name=name, expert_format=expert_format)
 
+    @property
+    def activation(self) -> dict[str, Any]:
+        """The expert / MLP activation as keyword arguments of k3jax.ops.glu (act, beta, linear_beta)."""
+        return {"act": self.hidden_act, "beta": self.activation_situ_beta,
+                "linear_beta": self.activation_situ_linear_beta}
+
     def replace(self, **changes: Any) -> K3Config:
-        """A copy with some fields changed, re-validated."""
+        """A copy with some fields changed, re-validated; ConfigError for a field K3Config lacks."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {sorted(unknown)}; K3Config fields are "
+                              f"{', '.join(f.name for f in dataclasses.fields(self))}")
         cfg = dataclasses.replace(self, **changes)
         cfg.validate()
         return cfg

@@ -12,6 +12,7 @@ import os
 import sys
 
 from k3jax import atomic
+from k3jax.cli import int_list, run_cli
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
 
@@ -61,16 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise ValueError("--prompt-ids is empty")
-    return ids
-
-
 def run(args: argparse.Namespace) -> dict:
     import jax
 
@@ -95,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = model.cfg
     tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
     if args.prompt_ids:
-        prompts = [_parse_ids(t) for t in args.prompt_ids]
+        prompts = [int_list(t, "--prompt-ids", minimum=0) for t in args.prompt_ids]
     else:
         prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
     prompts = [p for p in prompts for _ in range(args.batch_size)]
@@ -171,18 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Big presets fill the GPU: let XLA's allocator take nearly all of it (its default is 75%).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-    from k3jax.config import ConfigError
-    from k3jax.weights import OutOfMemoryError
-    try:
+    def work() -> int:
         report = run(args)
-    except (ConfigError, ValueError, FileNotFoundError, OutOfMemoryError) as e:
-        sys.stderr.write(f"k3jax.decode: error: {e}\n")
-        return 2
-    print_report(report, args.quiet)
-    if args.output:
-        atomic.write_json(args.output, report)
-        print(f"wrote {args.output}")
-    return 0
+        print_report(report, args.quiet)
+        if args.output:
+            atomic.write_json(args.output, report)
+            print(f"wrote {args.output}")
+        return 0
+
+    return run_cli("k3jax.decode", work)
 
 
 if __name__ == "__main__":

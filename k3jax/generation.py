@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 
 import jax
@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from k3jax import ops, sharding
 from k3jax.cache import DecodeState, init_state
-from k3jax.model import K3Model
+from k3jax.model import K3Model, check_token_ids
+from k3jax.weights import check_fits, check_int, describe
 
 STOP_CHECK_EVERY = 8
 
@@ -33,6 +34,11 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {describe(value)}")
+        check_int("top_k", self.top_k)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -70,28 +76,58 @@ class GenerationResult:
 
 
 def pad_prompts(prompts, vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A [B, T] array or a list of B id lists (any lengths) -> right-padded ids [B, T], lengths [B]."""
+    """A [B, T] int array or a list of B token-id lists (any lengths) -> right-padded int32 ids
+    [B, T], lengths [B]. Ids are validated by model.check_token_ids."""
     if isinstance(prompts, (np.ndarray, jax.Array)):
-        arr = np.asarray(prompts)
-        if arr.ndim != 2:
-            raise ValueError(f"input_ids must have shape [batch, seq], got shape {list(arr.shape)}")
-        rows = list(arr)
-    elif isinstance(prompts, Sequence) and prompts and all(isinstance(p, (Sequence, np.ndarray)) for p in prompts):
-        rows = [np.asarray(p) for p in prompts]
-    else:
-        raise ValueError("input_ids must be a [batch, seq] array or a non-empty list of token-id lists")
-    lengths = np.array([len(r) for r in rows], np.int32)
-    if (lengths == 0).any():
-        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty; every prompt needs at least one token")
-    ids = np.full((len(rows), int(lengths.max())), pad_id, np.int64)
+        ids = np.asarray(check_token_ids(prompts, vocab_size))
+        return ids, np.full((ids.shape[0],), ids.shape[1], np.int32)
+    text = (str, bytes)
+    if (isinstance(prompts, text) or not isinstance(prompts, Sequence) or not prompts
+            or not all(isinstance(p, (Sequence, np.ndarray, jax.Array)) and not isinstance(p, text) for p in prompts)):
+        raise TypeError(f"input_ids must be a [batch, seq] int array or a non-empty list of token-id lists (one "
+                        f"prompt is [[id, ...]]; encode text first, e.g. k3jax.tokenizer), got {describe(prompts)}")
+    rows = [np.asarray(p) for p in prompts]
     for i, r in enumerate(rows):
-        if r.dtype.kind not in "iu":
-            raise ValueError(f"prompt {i} must hold integer token ids, got dtype {r.dtype}")
-        ids[i, :len(r)] = r
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        raise ValueError(f"input_ids has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size})")
-    return ids.astype(np.int32), lengths
+        if r.size == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if r.ndim != 1:
+            raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {list(r.shape)}")
+    lengths = np.array([r.size for r in rows], np.int32)
+    flat = np.asarray(check_token_ids(np.concatenate(rows)[None], vocab_size))[0]   # every id, one check
+    ids = np.full((len(rows), int(lengths.max())), pad_id, np.int32)
+    for i, row in enumerate(np.split(flat, np.cumsum(lengths)[:-1])):
+        ids[i, :row.size] = row
+    return ids, lengths
+
+
+def _stop_ids(stop_tokens) -> tuple[int, ...]:
+    """stop_tokens (an id or an iterable of ids) as a tuple of ints."""
+    if isinstance(stop_tokens, (np.ndarray, jax.Array)):
+        stop_tokens = np.asarray(stop_tokens).reshape(-1).tolist()
+    elif isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, bool):
+        stop_tokens = (stop_tokens,)
+    elif isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+        raise TypeError(f"stop_tokens must be a token id or a sequence of token ids, got {describe(stop_tokens)}")
+    return tuple(check_int("each of stop_tokens", t) for t in stop_tokens)
+
+
+def _check_key(key) -> jax.Array:
+    """A typed scalar key (jax.random.key) or a legacy uint32 [2] PRNGKey."""
+    if isinstance(key, (jax.Array, np.ndarray)):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.dtype == np.uint32 and key.shape == (2,):
+            return jnp.asarray(key)
+    raise TypeError(f"key must be one jax.random.key(seed) (or a jax.random.PRNGKey), got {describe(key)}; "
+                    f"for an integer seed pass seed=")
+
+
+def _temp_bytes(compiled) -> int | None:
+    """Bytes of temporaries a compiled function allocates per device (None if XLA does not say)."""
+    try:
+        return compiled.memory_analysis().temp_size_in_bytes
+    except (AttributeError, NotImplementedError, jax.errors.JaxRuntimeError):
+        return None
 
 
 @partial(jax.jit, static_argnames=("graphdef", "max_len", "sampling"))
@@ -121,10 +157,20 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
                         sampling: SamplingParams = SamplingParams(), key: jax.Array | None = None,
                         seed: int = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
                         progress: bool = False) -> GenerationResult:
-    """Generates up to `max_new_tokens` per prompt; see `generate`. Returns ids and timings."""
+    """Generates up to `max_new_tokens` per prompt; see `generate`. Returns ids and timings.
+    Raises TypeError/ValueError naming a bad argument and OutOfMemoryError (before prefill) when the
+    decode state of batch x (prompt + max_new_tokens) tokens cannot fit beside the weights."""
+    if not isinstance(model, K3Model):
+        raise TypeError(f"model must be a k3jax.K3Model (k3jax.from_pretrained), got {type(model).__name__}")
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a k3jax.SamplingParams, got {describe(sampling)}")
     cfg = model.cfg
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    seed, pad_id = check_int("seed", seed), check_int("pad_id", pad_id, minimum=0)
+    if pad_id >= cfg.vocab_size:
+        raise ValueError(f"pad_id must be a token id below the vocabulary size {cfg.vocab_size}, got {pad_id}")
+    stop_tokens = _stop_ids(stop_tokens)
+    key = None if key is None else _check_key(key)
     mesh = sharding.model_mesh(model)
     if mesh is not None and jax.sharding.get_abstract_mesh().empty:
         with jax.set_mesh(mesh):  # a sharded model runs on its mesh (expert dispatch, state layout)
@@ -139,14 +185,18 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
                          f"max_position_embeddings ({cfg.max_position_embeddings})")
+    b = ids.shape[0]
+    check_fits(cfg, model.dtype, mesh=mesh, batch=b, max_len=max_len, params=False)   # before compiling
     key = jax.random.key(seed) if key is None else key
     prefill_key, decode_key = jax.random.split(key)
     graphdef, params = nnx.split(model)
     stop_ids = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-    b = ids.shape[0]
 
     t0 = time.perf_counter()
     prefill = _prefill.lower(graphdef, params, ids, lengths, prefill_key, max_len=max_len, sampling=sampling).compile()
+    # XLA's own count of the prefill's temporaries (for long prompts far above the state)
+    check_fits(cfg, model.dtype, mesh=mesh, batch=b, max_len=max_len, params=False,
+               activation_bytes=_temp_bytes(prefill))
     t1 = time.perf_counter()
     first, state = prefill(params, ids, lengths, prefill_key)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
@@ -188,7 +238,8 @@ def generate(model: K3Model, input_ids, max_new_tokens: int = 32, *, temperature
     input_ids: a [B, T] int array, or a list of B token-id lists of different lengths (they are
     right-padded; every row's result equals generating it alone). Greedy unless temperature > 0;
     sampling uses `key` (or `jax.random.key(seed)`). After a sequence emits one of `stop_tokens`
-    its remaining positions hold `pad_id`.
+    (an id or a sequence of ids) its remaining positions hold `pad_id`. Raises TypeError/ValueError
+    naming a bad argument, and OutOfMemoryError before prefill when the decode state cannot fit.
     """
     return generate_with_stats(model, input_ids, max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
                                key=key, seed=seed, stop_tokens=stop_tokens, pad_id=pad_id,

@@ -36,10 +36,13 @@ class Linear(nnx.Module):
         self.weight = normal_param(rngs, (d_out, d_in), dtype)
 
     def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        """x [..., in] -> [..., out] in x's dtype (float32 accumulation)."""
         return plan("linear")(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):
+    """Hugging Face RMSNorm (ops.rms_norm): x [..., dim] -> [..., dim] in x's dtype; weight [dim]."""
+
     def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs):
         self.weight = norm_param(rngs, dim, dtype)
         self.eps = eps
@@ -59,6 +62,7 @@ class GatedMLP(nnx.Module):
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        """x [..., D] -> [..., D] in x's dtype."""
         return plan("gated_mlp")(x, self.gate_proj.weight[...], self.up_proj.weight[...],
                                  self.down_proj.weight[...], *self.act)
 
@@ -91,6 +95,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_proj = Linear(p, d, dtype=dtype, rngs=rngs)
 
     def output_gate(self, x: jax.Array, plan: KernelPlan) -> jax.Array:
+        """Pre-sigmoid output-gate logits: x [B, T, D] -> [B, T, kda_dim] in x's dtype."""
         if self.cfg.kda_full_rank_gate:
             return self.g_proj(x, plan)
         return self.g_b_proj(self.g_a_proj(x, plan), plan)
@@ -179,7 +184,7 @@ class MLAttention(nnx.Module):
                                            mask, scale)
         o = o.reshape(b, t, -1)
         if cfg.mla_use_output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x, plan).astype(jnp.float32)).astype(o.dtype)
+            o = ops.sigmoid_gate(o, self.g_proj(x, plan))
         return self.o_proj(o, plan), MLAState(latent=cache)
 
 
@@ -192,6 +197,7 @@ class Router(nnx.Module):
         self.e_score_correction_bias = normal_param(rngs, (cfg.num_experts,), jnp.float32, 0.01)
 
     def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> tuple[jax.Array, jax.Array]:
+        """x [N, D] -> (expert ids [N, k] int32, combine weights [N, k] float32), k = num_experts_per_token."""
         cfg = self.cfg
         return plan("route")(x, self.weight[...], self.e_score_correction_bias[...],
                          top_k=cfg.num_experts_per_token, activation=cfg.moe_router_activation_func,
@@ -219,6 +225,7 @@ class RoutedExperts(nnx.Module):
                 setattr(self, name, normal_param(rngs, shape, dtype))
 
     def arrays(self) -> ops.ExpertWeights:
+        """The expert tensors as ops.ExpertWeights (the packed and scale arrays for MXFP4)."""
         if self.cfg.expert_format == "mxfp4":
             return ops.ExpertWeights(self.w1_packed[...], self.w3_packed[...], self.w2_packed[...],
                                      self.w1_scale[...], self.w3_scale[...], self.w2_scale[...])
@@ -244,11 +251,12 @@ class LatentMoE(nnx.Module):
                                            dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        """x [B, T, D] (normed) -> [B, T, D] in x's dtype."""
         cfg = self.cfg
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(flat, plan)
         z = self.routed_expert_down_proj(flat, plan) if cfg.routed_expert_hidden_size else flat
-        act = dict(act=cfg.hidden_act, beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
+        act = cfg.activation
         if moe_parallel.active_mesh() is not None:  # experts sharded over a mesh "expert" axis
             u = moe_parallel.moe_experts(z, ids, weights, self.experts.arrays(), variant=self.ep_variant,
                                          local_impl=plan("moe_experts"), **act)
@@ -286,4 +294,5 @@ class DecoderLayer(nnx.Module):
             self.mlp_res_proj = normal_param(rngs, (d,), dtype, d ** -0.5)
 
     def ffn(self, x: jax.Array, plan: KernelPlan = XLA) -> jax.Array:
+        """The layer's FFN (MoE or dense MLP): x [B, T, D] (normed) -> [B, T, D] in x's dtype."""
         return self.block_sparse_moe(x, plan) if self.is_moe else self.mlp(x, plan)

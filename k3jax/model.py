@@ -49,8 +49,8 @@ class K3Model(nnx.Module):
         """tokens [B, T] int32 -> (logits float32 [B, T, V] or, with last_only, [B, V] at each
         sequence's last real token; new state). num_new [B] real tokens per row (default T)."""
         cfg = self.cfg
-        b, t = tokens.shape
-        num_new = jnp.full((b,), t, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
+        b, t = _check_forward_args(tokens, state, num_new, cfg.num_hidden_layers)
+        num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
         valid = jnp.arange(t)[None, :] < num_new[:, None]                            # [B, T]
         plan = self.plan
         h = self.embed_tokens[...][tokens]
@@ -111,6 +111,24 @@ def _full_forward_logits(model: K3Model, ids: jax.Array) -> jax.Array:
 
 
 _full_forward_jit = nnx.jit(_full_forward_logits)
+
+
+def _check_forward_args(tokens, state, num_new, num_layers: int) -> tuple[int, int]:
+    """Static (shape/dtype) checks of K3Model.forward's arguments; returns (B, T)."""
+    dtype = getattr(tokens, "dtype", None)
+    shape = () if dtype is None else tokens.shape
+    if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+        got = type(tokens).__name__ if dtype is None else f"{dtype}{list(shape)}"
+        raise ValueError(f"tokens must be an integer array [batch, seq], got {got}")
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a k3jax.DecodeState (k3jax.init_state), got {type(state).__name__}")
+    b, t = shape
+    if state.batch_size != b or len(state.layers) != num_layers:
+        raise ValueError(f"state holds {state.batch_size} sequences x {len(state.layers)} layers but tokens has "
+                         f"batch size {b} and the model {num_layers} layers; use init_state(model.cfg, {b}, max_len)")
+    if num_new is not None and jnp.shape(num_new) != (b,):
+        raise ValueError(f"num_new must have shape [{b}] (one count per sequence), got {list(jnp.shape(num_new))}")
+    return b, t
 
 
 def check_token_ids(input_ids, vocab_size: int) -> jax.Array:

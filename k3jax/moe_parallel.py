@@ -4,12 +4,20 @@ experts and combined back, with an explicit `jax.shard_map` over the mesh's "exp
 Contract (every variant): `moe_experts(z, ids, weights, experts, ...)` with z [N, M] (the
 latent, M = moe_hidden_size, e.g. 3584), ids/weights [N, k] and the experts sharded
 [E / ep per rank] returns the same [N, M] as `ops.moe_experts` on one device. Tokens are split
-over ("data", "expert") (padded to a multiple; "ragged" and "a2a" never send padding); the
-expert math on each rank IS `ops.moe_experts` (or the KernelPlan's "moe_experts" kernel, same
-contract) over that rank's experts, one (token, slot) row each with weight 1, so it returns the
-per-slot outputs; the weighted sum runs on the token's own rank in float32 exactly as in
-`ops.moe_experts`. No variant drops a token: buffers are sized for the
-worst case (every (token, slot) pair of every rank routed to one rank).
+over ("data", "expert") (padded to a multiple with expert id E, which no rank owns; "ragged" and
+"a2a" never send padding); the expert math on each rank IS `ops.moe_experts` (or the
+KernelPlan's "moe_experts" kernel, same contract) over that rank's experts, one (token, slot) row
+each with weight 1, so it returns the per-slot outputs; the weighted sum runs on the token's own
+rank in float32 exactly as in `ops.moe_experts`. No variant drops a token: buffers are sized for
+the worst case (every (token, slot) pair of every rank routed to one rank).
+
+A rank runs only its own experts' rows (`_expert_rows`): the rows of a buffer that are not its
+own (slots other ranks own, padding, unwritten buffer rows) get routing weight 0 and the id of an
+expert a row of its own selects, so the local call gathers (and dequantises) only the experts the
+rank's rows select. The gather variants leave out the gathered rows that are padding on every
+rank (K3 batch 1 on ep = 2: 16 rows instead of 32, the single-device bound), and up to E/ep rows
+run as ROW_CHUNK-row calls, the rank's own rows first: each call stays in ops.moe_experts' decode
+schedule and within the Pallas kernel's 64-row limit (K3 batch 8 on ep = 2: 128 rows).
 
 Variants (`variant=`):
 - "ragged": `jax.lax.ragged_all_to_all` there and back; only the routed rows travel. GPU.
@@ -54,6 +62,9 @@ TOKEN_AXES = ("data", "expert")
 # run-to-run noise (~20%) of it. The gathered traffic and wasted expert rows grow with ep:
 # re-measure before trusting this threshold on larger meshes.
 ALLGATHER_MAX_TOKENS = 64
+# Rows per local expert call: ops.moe_experts' decode schedule (each gathered expert on every
+# row, no sort) and the Pallas moe_experts kernel both take up to 64 rows.
+ROW_CHUNK = ops.DENSE_DISPATCH_MAX_TOKENS
 
 
 def active_mesh():
@@ -75,10 +86,34 @@ def resolve_variant(variant: str, tokens_per_group: int, platform: str | None = 
     return "packed" if tokens_per_group <= ALLGATHER_MAX_TOKENS else "ragged"
 
 
-def _expert_rows(rows, local_ids, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
-    """rows [R, M], local_ids [R] -> per-row expert outputs [R, M]: `impl` (ops.moe_experts or a
-    kernel with its contract) with k = 1 and weight 1."""
-    return impl(rows, local_ids[:, None], jnp.ones((rows.shape[0], 1), f32), experts, **act_kw)
+def _expert_rows(rows, local_ids, valid, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
+    """rows [R, M], local_ids [R], valid [R] bool -> per-row expert outputs [R, M], zero where not
+    valid: `impl` (ops.moe_experts or a kernel with its contract) with k = 1, weight 1 on valid rows.
+
+    Rows not valid get weight 0 and the id of a valid row of the same call (0 when there is
+    none), so a call gathers only the experts of its valid rows. ROW_CHUNK < R <= E/ep: ceil(R /
+    ROW_CHUNK) calls of ROW_CHUNK rows, the valid rows first, sorted by expert: each call stays in
+    ops.moe_experts' decode schedule and the Pallas kernel's row limit, consecutive calls share at
+    most one expert, and a call left with no valid row gathers one expert; ops.moe_experts' static
+    gather bound stays R, as for one call. The calls are unrolled: a data-dependent trip count
+    would make XLA:GPU read the loop predicate back to the host every iteration.
+    """
+    def run(x, ids, ok):
+        ids = jnp.where(ok, ids, jnp.max(jnp.where(ok, ids, 0)))
+        return impl(x, ids[:, None], ok[:, None].astype(f32), experts, **act_kw)
+
+    r, e_local = rows.shape[0], experts.num_experts
+    if r <= ROW_CHUNK or r > e_local:
+        return run(rows, local_ids, valid)
+    # Valid rows by expert, then the others; the index r past the end pads the last call.
+    order = jnp.argsort(jnp.where(valid, local_ids, e_local), stable=True)
+    order = jnp.pad(order, (0, -r % ROW_CHUNK), constant_values=r)
+    out = jnp.zeros_like(rows)
+    for c in range(order.shape[0] // ROW_CHUNK):
+        idx = order[c * ROW_CHUNK:(c + 1) * ROW_CHUNK]
+        src = jnp.minimum(idx, r - 1)
+        out = out.at[idx].set(run(rows[src], local_ids[src], (idx < r) & valid[src]), mode="drop")
+    return out
 
 
 def _combine(per_slot, weights, dtype) -> jax.Array:
@@ -86,10 +121,9 @@ def _combine(per_slot, weights, dtype) -> jax.Array:
     return jnp.einsum("nkm,nk->nm", per_slot.astype(f32), weights).astype(dtype)
 
 
-def _destinations(ids, valid, e_local: int, ep: int):
-    """Per (token, slot) pair: owner rank (ep for padding) and local expert id."""
-    dest = jnp.where(jnp.repeat(valid, ids.shape[1]), ids.reshape(-1) // e_local, ep)
-    return dest, ids.reshape(-1) % e_local
+def _destinations(ids, e_local: int):
+    """Per (token, slot) pair: owner rank (ep for padding, whose id is E) and local expert id."""
+    return ids.reshape(-1) // e_local, ids.reshape(-1) % e_local
 
 
 def _id_digits(dtype, num_ids: int) -> tuple[int, int]:
@@ -115,25 +149,27 @@ def _unpack(rows, m: int, k: int, num_ids: int) -> tuple[jax.Array, jax.Array]:
     return rows[:, :m], sum(digits[..., j] * base ** j for j in range(d))
 
 
-def _a2a(z, ids, weights, valid, experts, *, expert_fn, packed=False):
+def _a2a(z, ids, weights, experts, *, expert_fn, packed=False):
     n, k = ids.shape
     m = z.shape[1]
     ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
-    dest, local = _destinations(ids, valid, e_local, ep)
+    dest, local = _destinations(ids, e_local)
     onehot = dest[:, None] == jnp.arange(ep)[None]                              # [pairs, ep]
     pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, ep - 1)[:, None], 1)[:, 0]
     rows = z[jnp.arange(pairs) // k]
-    if packed:  # one all_to_all carries the local ids too (unwritten rows decode to id 0: unused)
-        rows = _pack(rows, local[:, None], e_local)
+    if packed:  # one all_to_all carries the local ids too, + 1: unwritten rows decode to -1
+        rows = _pack(rows, local[:, None] + 1, e_local + 1)
     # Padding pairs have dest == ep: mode="drop" leaves them out of the buffers.
     send = jnp.zeros((ep, pairs, rows.shape[1]), z.dtype).at[dest, pos].set(rows, mode="drop")
     recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(ep * pairs, -1)
     if packed:
-        recv, recv_ids = _unpack(recv, m, 1, e_local)
+        recv, recv_ids = _unpack(recv, m, 1, e_local + 1)
+        recv_ids = recv_ids - 1
     else:
-        send_ids = jnp.zeros((ep, pairs), jnp.int32).at[dest, pos].set(local, mode="drop")
+        send_ids = jnp.full((ep, pairs), -1, jnp.int32).at[dest, pos].set(local, mode="drop")
         recv_ids = jax.lax.all_to_all(send_ids, AXIS, 0, 0, tiled=True)
-    y = expert_fn(recv, recv_ids.reshape(-1), experts)
+    recv_ids = recv_ids.reshape(-1)
+    y = expert_fn(recv, recv_ids, recv_ids >= 0, experts)
     back = jax.lax.all_to_all(y.reshape(ep, pairs, -1), AXIS, 0, 0, tiled=True)
     per_slot = back[jnp.minimum(dest, ep - 1), pos].reshape(n, k, -1)
     return _combine(per_slot, weights, z.dtype)
@@ -143,11 +179,11 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _ragged(z, ids, weights, valid, experts, *, expert_fn):
+def _ragged(z, ids, weights, experts, *, expert_fn):
     n, k = ids.shape
     ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
     me = jax.lax.axis_index(AXIS)
-    dest, local = _destinations(ids, valid, e_local, ep)
+    dest, local = _destinations(ids, e_local)
     order = jnp.argsort(dest, stable=True)                                      # by owner; padding last
     counts = jnp.sum(dest[:, None] == jnp.arange(ep)[None], axis=0).astype(jnp.int32)   # [ep] sent to each
     table = jax.lax.all_gather(counts, AXIS)                                    # [src, dst]
@@ -161,7 +197,7 @@ def _ragged(z, ids, weights, valid, experts, *, expert_fn):
                                      out_off, recv_sizes, axis_name=AXIS)
     recv_ids = jax.lax.ragged_all_to_all(local[order], jnp.zeros((cap,), jnp.int32), send_off, counts,
                                          out_off, recv_sizes, axis_name=AXIS)
-    y = expert_fn(recv, recv_ids, experts)
+    y = expert_fn(recv, recv_ids, jnp.arange(cap) < jnp.sum(recv_sizes), experts)
     # Back to each source, at the offset its rows for me started from.
     back_off = _exclusive_cumsum(table, axis=1)[:, me]
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((pairs, z.shape[1]), z.dtype), recv_off, recv_sizes,
@@ -170,46 +206,55 @@ def _ragged(z, ids, weights, valid, experts, *, expert_fn):
     return _combine(per_slot, weights, z.dtype)
 
 
-def _gathered_experts(z_all, ids_all, experts, expert_fn) -> jax.Array:
+def _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens: int) -> jax.Array:
     """Every token of the group [ep*n, M] / [ep*n, k] -> per-slot outputs [ep*n, k, M] of this
-    rank's experts, zero on the slots other ranks own."""
+    rank's experts, zero on the slots other ranks own and on padding.
+
+    Padding sits at the end of the N tokens, so the first group holds the most real tokens,
+    min(ep*n, N): the tokens past that are padding in every group and are left out.
+    """
     k, e_local = ids_all.shape[1], experts.num_experts
-    mine = (ids_all // e_local == jax.lax.axis_index(AXIS)).reshape(-1)
-    y = expert_fn(z_all[jnp.arange(ids_all.size) // k], (ids_all % e_local).reshape(-1), experts)
-    return jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)).reshape(-1, k, z_all.shape[1])
+    t = min(ids_all.shape[0], n_tokens)
+    ids = ids_all[:t].reshape(-1)
+    mine = ids // e_local == jax.lax.axis_index(AXIS)                          # padding (id E): nobody's
+    y = expert_fn(z_all[jnp.arange(t * k) // k], ids % e_local, mine, experts)
+    # Masked here too: an `expert_fn` need not zero the rows that are not its own.
+    y = jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)).reshape(t, k, -1)
+    return jnp.pad(y, ((0, ids_all.shape[0] - t), (0, 0), (0, 0)))
 
 
-def _allgather(z, ids, weights, valid, experts, *, expert_fn):
+def _allgather(z, ids, weights, experts, *, expert_fn, n_tokens):
     z_all = jax.lax.all_gather(z, AXIS, tiled=True)                             # [ep*n, M]
     ids_all = jax.lax.all_gather(ids, AXIS, tiled=True)                         # [ep*n, k]
-    y = _gathered_experts(z_all, ids_all, experts, expert_fn)
+    y = _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
     return _combine(per_slot, weights, z.dtype)
 
 
-def _packed(z, ids, weights, valid, experts, *, expert_fn):
+def _packed(z, ids, weights, experts, *, expert_fn, n_tokens):
     n, k = ids.shape
-    num_ids = experts.num_experts * jax.lax.axis_size(AXIS)
+    num_ids = experts.num_experts * jax.lax.axis_size(AXIS) + 1                 # + the padding id E
     rows = jax.lax.all_gather(_pack(z, ids, num_ids), AXIS, tiled=True)        # [ep*n, M + c]
-    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn)
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
     return _combine(per_slot, weights, z.dtype)
 
 
-def _allreduce(z, ids, weights, valid, experts, *, expert_fn):
+def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens):
     n, k = ids.shape
     ep, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    num_ids = experts.num_experts * ep
+    num_ids = experts.num_experts * ep + 1                                      # + the padding id E
     mine = _pack(z, ids, num_ids)
     # My rows in my slot, zeros elsewhere: the sum over ranks is the all-gather, exactly.
     rows = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
         jnp.zeros((ep * n, mine.shape[1]), mine.dtype), mine, me * n, 0), AXIS)
-    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn)
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
     # One rank non-zero per slot: the sum is exact; keep my tokens' rows.
     per_slot = jax.lax.dynamic_slice_in_dim(jax.lax.psum(y, AXIS), me * n, n, 0)
     return _combine(per_slot, weights, z.dtype)
 
 
+GATHERED = ("allgather", "packed", "allreduce")  # every rank sees every token of its group
 _IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather, "packed": _packed,
           "a2a_packed": partial(_a2a, packed=True), "allreduce": _allreduce}
 
@@ -222,7 +267,8 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     `experts` are the global stacked arrays (sharded over "expert"); `mesh` defaults to the
     active `jax.set_mesh` mesh, whose "expert" axis must divide the number of experts.
     `local_impl` runs each rank's experts (ops.moe_experts, or the KernelPlan's "moe_experts"
-    kernel: same contract). `expert_fn(rows [R, M], local_ids [R], local experts) -> [R, M]`
+    kernel: same contract). `expert_fn(rows [R, M], local_ids [R], valid [R] bool, local
+    experts) -> [R, M]` (only the valid rows are this rank's; the others' outputs are unused)
     replaces the whole per-rank step; benchmarks pass an identity to time dispatch + combine alone.
     """
     m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -238,13 +284,15 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     n = z.shape[0]
     n_pad = -(-n // shards) * shards
     variant = resolve_variant(variant, n_pad // shards * ep)
-    valid = jnp.arange(n_pad) < n
-    if n_pad != n:
+    if n_pad != n:  # padding tokens select expert E, which no rank owns
         pad = ((0, n_pad - n), (0, 0))
-        z, ids, weights = jnp.pad(z, pad), jnp.pad(ids, pad), jnp.pad(weights, pad)
+        z, weights = jnp.pad(z, pad), jnp.pad(weights, pad)
+        ids = jnp.pad(ids, pad, constant_values=experts.num_experts)
     tok = P(token_axes)
     if expert_fn is None:
         expert_fn = partial(_expert_rows, impl=local_impl, act_kw=dict(act=act, beta=beta, linear_beta=linear_beta))
-    fn = jax.shard_map(partial(_IMPLS[variant], expert_fn=expert_fn),
-                       mesh=mesh, in_specs=(tok, tok, tok, tok, P(AXIS)), out_specs=tok, check_vma=False)
-    return fn(z, ids, weights, valid, experts)[:n]
+    per_rank = partial(_IMPLS[variant], expert_fn=expert_fn)
+    if variant in GATHERED:
+        per_rank = partial(per_rank, n_tokens=n)
+    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(tok, tok, tok, P(AXIS)), out_specs=tok, check_vma=False)
+    return fn(z, ids, weights, experts)[:n]

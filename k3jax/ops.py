@@ -24,16 +24,26 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
                       preferred_element_type=f32).astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Hugging Face RMSNorm: normalise in float32, cast back, then scale by `weight` [D]."""
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis: x [..., D] -> [..., D] float32, no weight."""
     xf = x.astype(f32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * y.astype(x.dtype)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Hugging Face RMSNorm: x [..., D], weight [D] -> [..., D] in x's dtype (normalise in
+    float32, cast back, then scale by the weight cast to x's dtype)."""
+    return weight.astype(x.dtype) * rms_normalize(x, eps).astype(x.dtype)
+
+
+def sigmoid_gate(o: jax.Array, gate: jax.Array) -> jax.Array:
+    """o * sigmoid(gate), same shapes; the sigmoid in float32, cast to o's dtype before the product."""
+    return o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """KDA output norm: rms_norm(x) * sigmoid(gate) (norm first, then the sigmoid gate)."""
-    return rms_norm(x, weight, eps) * jax.nn.sigmoid(gate.astype(f32)).astype(x.dtype)
+    """KDA output norm: x, gate [..., D], weight [D] -> sigmoid_gate(rms_norm(x), gate) [..., D] in x's dtype."""
+    return sigmoid_gate(rms_norm(x, weight, eps), gate)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -44,7 +54,8 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 # ------------------------------------------------------------------ activations
 def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
-    """SiTU GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta), in float32."""
+    """SiTU GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta). Elementwise over
+    gate, up (same shape); computed in float32, returned in gate's dtype."""
     g, u = gate.astype(f32), up.astype(f32)
     act = beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g)
     if linear_beta is not None:
@@ -53,17 +64,17 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None)
 
 
 def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU: silu(g) * u (Kimi-Linear's experts)."""
+    """SwiGLU: silu(g) * u (Kimi-Linear's experts). Elementwise; float32 inside, gate's dtype out."""
     return (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(gate.dtype)
 
 
 def glu(gate: jax.Array, up: jax.Array, act: str, beta: float, linear_beta: float | None) -> jax.Array:
-    """The configured gated activation: 'situ' (K3) or 'silu' (Kimi-Linear)."""
+    """The configured gated activation: 'situ' (K3) or 'silu' (Kimi-Linear). Elementwise, gate's dtype."""
     return situ(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)
 
 
 def gated_mlp(x, w_gate, w_up, w_down, act: str, beta: float, linear_beta: float | None):
-    """down(glu(gate(x), up(x))) with weights [I, D], [I, D], [D, I]."""
+    """down(glu(gate(x), up(x))): x [..., D] -> [..., D] in x's dtype; weights [I, D], [I, D], [D, I]."""
     return linear(glu(linear(x, w_gate), linear(x, w_up), act, beta, linear_beta), w_down)
 
 
@@ -73,13 +84,20 @@ def kda_decay(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: f
 
     With a lower bound (K3): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), so g in (lb, 0).
     Without (Kimi-Linear):   g = -exp(A_log) * softplus(f + dt_bias).
-    a_log [H] and dt_bias [H, K] are float32.
+    a_log [H] and dt_bias [H, K] are float32. Returns g [..., H, K] float32.
     """
-    x = f.astype(f32) + dt_bias.astype(f32)
-    a = jnp.exp(a_log.astype(f32))[:, None]
+    return log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32))[:, None], lower_bound)
+
+
+def log_decay(x: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
+    """kda_decay's formula from x = f + dt_bias and a = exp(A_log) (float32, broadcastable),
+    shared with the KDA decode kernel (which holds one head's x as a vector and a as a scalar)."""
     if lower_bound is not None:
         return lower_bound * jax.nn.sigmoid(a * x)
-    return -a * jax.nn.softplus(x)
+    # softplus(x) from primitives Mosaic GPU lowers (jax.nn.softplus needs log1p). log(1 + e) for
+    # log1p(e) costs at most ~6e-8 absolute in softplus, so at most a * 6e-8 relative in the decay
+    # exp(g) (1e-6 at a = 16): float32 rounding level, far below the state's 1e-4 tolerance.
+    return -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
 
 
 def short_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
@@ -392,8 +410,7 @@ def attn_res_weights(candidates: jax.Array, norm_weight: jax.Array, query: jax.A
     """Softmax weights over depth, float32 [N, ...], for candidates [N, ..., D] (block checkpoints,
     then the partial sum): each candidate is RMS-normalised and scored against the pseudo-query
     (norm weight * proj weight, [D])."""
-    v = candidates.astype(f32)
-    keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    keys = rms_normalize(candidates, eps)
     scores = jnp.sum(keys * (norm_weight.astype(f32) * query.astype(f32)), axis=-1)  # [N, ...]
     return jax.nn.softmax(scores, axis=0)
 

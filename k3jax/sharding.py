@@ -232,17 +232,6 @@ def per_device_param_bytes(cfg, dtype, mesh: Mesh) -> int:
     return total
 
 
-def check_fits_sharded(cfg, dtype, mesh: Mesh) -> int:
-    """Raises weights.OutOfMemoryError when one device's share of the parameters does not fit."""
-    from k3jax.weights import OutOfMemoryError, device_memory_bytes
-    need = per_device_param_bytes(cfg, dtype, mesh)
-    have = device_memory_bytes(jax.local_devices()[0])
-    if have is not None and need > have:
-        raise OutOfMemoryError(f"{cfg.name} on mesh {format_mesh(mesh)}: each device needs ~{need / 2**30:.1f} GiB "
-                               f"for its parameter shards but has ~{have / 2**30:.1f} GiB; use more devices")
-    return need
-
-
 def set_ep_variant(model, variant: str):
     """Selects the expert-parallel dispatch of every LatentMoE (k3jax.moe_parallel.VARIANTS or
     "auto"); a static attribute, so the next jit call retraces."""

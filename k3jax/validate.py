@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import atomic
+from k3jax.cli import check_preset, run_cli
 from k3jax.backend import BACKENDS, REFERENCES
 
 
@@ -103,7 +104,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
     results = []
     for op in ops or list(REFERENCES):
         if op not in REFERENCES:
-            raise SystemExit(f"unknown op {op!r}; ops are {', '.join(REFERENCES)}")
+            raise ValueError(f"unknown op {op!r}; ops are {', '.join(REFERENCES)}")
         fn = registry.implementation(op, backend)
         if fn is None or op not in specs:
             log(f"{op:14s} no {backend} kernel (falls back to XLA)")
@@ -318,7 +319,7 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m k3jax.validate", description=__doc__.splitlines()[0])
     p.add_argument("--model", action="store_true", help="whole-model backend parity instead of per-op kernels")
     p.add_argument("--preset", default="k3-tiny", help="--model: preset name or checkpoint directory")
     p.add_argument("--backends", default="pallas,cute", help="--model: backends compared with xla")
@@ -336,18 +337,30 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="reruns for the determinism check")
     p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md)")
     a = p.parse_args(argv)
+    return run_cli("k3jax.validate", lambda: _main(a))
+
+
+def _main(a: argparse.Namespace) -> int:
     if a.model:
-        unknown = set(a.backends.split(",")) - set(BACKENDS)
+        backends = a.backends.split(",")
+        unknown = set(backends) - set(BACKENDS)
         if unknown:
-            p.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-        result = model_parity(a.preset, a.backends.split(","), a.steps, a.batch, per_op=a.per_op,
+            raise ValueError(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+        check_preset(a.preset)
+        if a.steps < 1 or a.batch < 1:
+            raise ValueError(f"--steps and --batch must be >= 1, got {a.steps} and {a.batch}")
+        result = model_parity(a.preset, backends, a.steps, a.batch, per_op=a.per_op,
                               float32_floor=a.float32_floor, noise_floor=not a.no_noise_floor)
         atomic.write_json(a.out + ".json", result)
         failed = [r["backend"] for r in result["rows"][1:] if not r.get("control") and not r["passed"]]
         print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all backends match xla'}; report: {a.out}.json")
         return 1 if failed else 0
     sizes = set(a.sizes.split(",")) if a.sizes else None
+    if sizes and sizes - {"small", "k3"}:
+        raise ValueError(f"--sizes takes small and/or k3, got {a.sizes!r}")
     results = run(a.backend, a.op, sizes, a.repeats)
+    if not results:
+        raise ValueError(f"no case to run for --backend {a.backend} --op {a.op} --sizes {a.sizes}")
     write_report(results, a.out, a.backend)
     n_fail = sum(not r.passed for r in results)
     print(f"{len(results) - n_fail}/{len(results)} passed; report: {a.out}.md")

@@ -7,6 +7,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.config import K3Config
@@ -42,27 +43,95 @@ def param_bytes(cfg: K3Config, dtype=jnp.bfloat16) -> int:
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int | None:
-    """Memory available to arrays on `device` (GPU: the allocator's limit; CPU: physical RAM)."""
+    """Memory free for new arrays on `device` (GPU: the allocator's limit minus what is in use;
+    CPU: the host's available RAM, else its physical RAM)."""
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return None
 
 
-def check_fits(cfg: K3Config, dtype, n_devices: int = 1, extra_bytes: int = 0) -> int:
-    """Raises OutOfMemoryError when the parameters (+ extra) exceed the devices' memory."""
-    need = param_bytes(cfg, dtype) + extra_bytes
-    have = device_memory_bytes()
-    if have is not None and need > have * n_devices:
-        raise OutOfMemoryError(
-            f"{cfg.name}: needs ~{need / 2**30:.1f} GiB for weights and state but {n_devices} "
-            f"{jax.devices()[0].platform} device(s) have ~{have * n_devices / 2**30:.1f} GiB; "
-            f"use a smaller preset or more devices")
-    return need
+# A decode run leaves this fraction of the free memory to XLA's temporaries beyond the state and
+# the logits (compiled-step buffers, dequantized experts).
+DECODE_HEADROOM = 0.1
+# Logits [B, V] float32 and the sampler's temporaries of the same size: the largest decode activations.
+LOGITS_COPIES = 4
+
+
+def check_fits(cfg: K3Config, dtype, *, mesh=None, batch: int = 0, max_len: int = 0, params: bool = True,
+               activation_bytes: int | None = None) -> int:
+    """Bytes the most loaded device needs; raises OutOfMemoryError, before anything is allocated,
+    when they exceed its free memory (device_memory_bytes).
+
+    Counts the parameters (one device's shards under `mesh`: sharding.per_device_param_bytes;
+    `params=False` when they are already on the device) and, for batch > 0, the decode state of
+    `batch` sequences of up to `max_len` tokens (cache.state_bytes, split over the mesh's batch
+    axes) plus the activations: `activation_bytes` per device (e.g. a compiled step's
+    memory_analysis().temp_size_in_bytes) or, when None, an estimate (the logits and the sampler's
+    copies). With a decode state, all must fit in all but DECODE_HEADROOM of the free memory.
+    """
+    from k3jax import sharding
+    from k3jax.cache import state_bytes
+    dtype = parse_dtype(dtype)
+    weights = 0
+    if params:
+        weights = param_bytes(cfg, dtype) if mesh is None else sharding.per_device_param_bytes(cfg, dtype, mesh)
+    state = activations = 0
+    if batch > 0:
+        # Batch axes that do not divide the batch are dropped (batch 1 runs replicated).
+        shards = 1 if mesh is None else batch // sharding.batch_sharding(mesh, (batch,)).shard_shape((batch,))[0]
+        state = -(-state_bytes(cfg, batch, max_len, jnp.dtype(dtype).itemsize) // shards)
+        activations = (-(-LOGITS_COPIES * batch * cfg.vocab_size * 4 // shards) if activation_bytes is None
+                       else activation_bytes)
+    need = weights + state + activations
+    device = jax.local_devices()[0]
+    have = device_memory_bytes(device)
+    usable = have if have is None or batch <= 0 else int((1 - DECODE_HEADROOM) * have)
+    if usable is None or need <= usable:
+        return need
+    parts = ([f"{_gib(weights)} parameters"] if params else []) + (
+        [f"{_gib(state)} decode state for batch {batch} x {max_len} tokens",
+         f"{_gib(activations)} activations"] if batch > 0 else [])
+    if weights > usable:
+        fix = "use a smaller preset or shard the parameters over more devices (mesh='ep=N')"
+    elif activation_bytes is not None and activations > state:
+        fix = "use a smaller batch or shorter prompts (long prompts need large prefill activations)"
+    else:
+        fix = "use a smaller batch or fewer tokens (prompt + max_new_tokens)"
+    where = cfg.name if mesh is None else f"{cfg.name} on mesh {sharding.format_mesh(mesh)}"
+    room = _gib(usable) if usable == have else f"{_gib(usable)} ({1 - DECODE_HEADROOM:.0%} of {_gib(have)} free)"
+    raise OutOfMemoryError(f"{where}: needs {_gib(need)} per device ({' + '.join(parts)}), more than the "
+                           f"{room} a {device.platform} device has for it; {fix}")
+
+
+def _gib(n: int) -> str:
+    return f"~{n / 2**30:.2f} GiB"
+
+
+def describe(value) -> str:
+    """A short description of an argument for error messages: 'float 2.5', 'ndarray float32[2, 3]'."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} {value.dtype}{list(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """`value` as an int; TypeError naming `name` for a non-integer (bool included), ValueError below `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {describe(value)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mesh=None, **config_changes) -> K3Model:
@@ -74,6 +143,11 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
     k3jax.sharding) creates every parameter directly in its shards. Raises ConfigError for an
     unknown preset and OutOfMemoryError when the weights cannot fit.
     """
+    if not isinstance(path_or_preset, (str, os.PathLike)):
+        raise TypeError(f"path_or_preset must be a preset name or a checkpoint directory, got "
+                        f"{type(path_or_preset).__name__} {path_or_preset!r}")
+    path_or_preset = os.fspath(path_or_preset)
+    check_int("seed", seed)
     dtype = parse_dtype(dtype)
     if mesh is not None:
         from k3jax import sharding
@@ -85,9 +159,8 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
     if path_or_preset not in PRESETS and os.sep in path_or_preset:
         raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
     cfg = get_preset(path_or_preset, **config_changes)
+    check_fits(cfg, dtype, mesh=mesh)
     if mesh is not None:
-        sharding.check_fits_sharded(cfg, dtype, mesh)
         return sharding.create_sharded(lambda: K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), mesh)
-    check_fits(cfg, dtype)
     with jax.default_device(jax.devices()[0]):
         return K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed))

@@ -129,8 +129,7 @@ registry.register("gated_mlp", "pallas", gated_mlp)
 _K3 = get_preset("k3-full")
 K3_D = _K3.hidden_size
 K3_INTER = {"dense": _K3.intermediate_size, "shared": _K3.moe_intermediate_size * _K3.num_shared_experts}
-K3_ACT = (("act", _K3.hidden_act), ("beta", _K3.activation_situ_beta),
-          ("linear_beta", _K3.activation_situ_linear_beta))
+K3_ACT = tuple(_K3.activation.items())
 BENCH_BATCHES = (1, 8, 32, 128)
 
 

@@ -8,21 +8,22 @@ Grid (B, H): one warpgroup per (sequence, head). The head's state S [d, d] float
 d = 128) is the step's dominant traffic, read once and written once: it travels GMEM -> SMEM by
 one TMA copy that is issued first, so its latency hides behind the per-channel work done
 meanwhile from the small inputs: the short conv + SiLU (ops.conv_taps, the reference's
-formula) of the head's q, k and v channels, L2 norms (ops.l2_normalize), the decay and beta.
+formula) of the head's q, k and v channels, L2 norms (ops.l2_normalize), the decay
+(ops.log_decay: K3's lower-bound gate or Kimi-Linear's softplus form) and beta.
 S then sits in registers in the wgmma layout (rows = key channels, 128 f32 per thread), where
 the delta rule is a few broadcasts and two column reductions; the read-out goes through the
 gated RMSNorm (ops.gated_rms_norm) and S back to GMEM by TMA. The shifted conv window is
 written by the same program (its 3 x d channels of every row).
 
 Mosaic GPU lowers only broadcasts it can lay out (no [d] -> [d, 1] expand_dims), so the
-decay and the delta-rule step are spelled with explicit broadcasts here, operation for
-operation as in ops.kda_decay (lower-bound form) and ops.kda_recurrent_step; validation against
-those references is the guard. Without a lower bound (Kimi-Linear), with d not a multiple of 64,
+delta-rule step is spelled with explicit broadcasts here, operation for operation as in
+ops.kda_recurrent_step; validation against that reference is the guard. With d not 64 or 128,
 or for non-bf16 activations the reference runs (`unsupported()` says why; logged once).
 
-Roofline: 2 x B x H x d^2 x 4 bytes of state (B = 1, K3: 12.6 MB, ~2.9 us at 4.3 TB/s), plus
-< 3% of small inputs. At B = 1 the grid has 96 programs for 132 SMs, so the step is bounded by
-one program's TMA-in / compute / TMA-out latency; from B = 2 the grid fills the SMs.
+Roofline: 2 x B x H x d^2 x 4 bytes of state (B = 1, K3: 12.6 MB, ~2.9 us at 4.3 TB/s;
+Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. At B = 1 the grid has 96
+(K3) or 32 (Kimi-Linear) programs for 132 SMs, so the step is bounded by one program's TMA-in /
+compute / TMA-out latency; the grid fills the SMs from B = 2 (K3) or B = 5 (Kimi-Linear).
 """
 
 from __future__ import annotations
@@ -44,12 +45,9 @@ f32 = jnp.float32
 STATE_TILING = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def unsupported(conv_state, qkv, f, num_heads: int, lower_bound) -> str | None:
-    """Why the kernel does not cover this call (None: it does)."""
-    p = f.shape[-1]
-    d = p // num_heads
-    if lower_bound is None:
-        return "no gate lower bound (softplus decay form)"
+def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
+    """Why the kernel does not cover this call (None: it does). Both gate forms are covered."""
+    d = f.shape[-1] // num_heads
     if qkv.dtype != jnp.bfloat16 or conv_state.dtype != jnp.bfloat16:
         return f"activations are {qkv.dtype}/{conv_state.dtype}, the kernel takes bfloat16"
     if d % 64 or d > 128:
@@ -93,10 +91,9 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             # to reach the column layout the update needs.
             v_smem[...] = conv(2, ROW)
             heads = pl.ds(h * d, d)
-            # ops.kda_decay, lower-bound form.
-            alog = alog_g[h].astype(f32)
-            g = lower_bound * jax.nn.sigmoid(jnp.exp(alog) * (vec(f_g.at[b, heads], ROW).astype(f32)
-                                                              + vec(dtb_g.at[heads], ROW).astype(f32)))
+            # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
+            g = ops.log_decay(vec(f_g.at[b, heads], ROW).astype(f32) + vec(dtb_g.at[heads], ROW).astype(f32),
+                              jnp.exp(alog_g[h].astype(f32)), lower_bound)
             beta = jax.nn.sigmoid(bl_g[b, h].astype(f32))
 
             plgpu.commit_smem()
@@ -136,7 +133,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float):
     """Same contract as k3jax.ops.kda_decode."""
-    why = unsupported(conv_state, qkv, f, num_heads, lower_bound)
+    why = unsupported(conv_state, qkv, f, num_heads)
     if why is not None:
         return registry.fallback("kda_decode", "pallas", why)(
             conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
@@ -149,6 +146,8 @@ registry.register("kda_decode", "pallas", kda_decode)
 
 # ------------------------------------------------------------------ validation / benchmark spec
 K3_HEADS, K3_D, K3_CONV = 96, 128, 4
+KL_HEADS = 32      # Kimi-Linear-48B: 32 heads of 128, conv 4, no gate lower bound (softplus form)
+KL_BATCHES = (1, 8, 32)
 BENCH_BATCHES = (1, 8, 32, 128)
 
 
@@ -178,12 +177,17 @@ def _kw(h: int, lower_bound=-5.0, eps=1e-5):
 def cases() -> list[registry.Case]:
     small = [registry.Case(f"b{b}_h{h}_d{d}", _make(b, h, d), _kw(h), batch=b)
              for b, h, d in ((1, 2, 128), (3, 1, 64), (2, 3, 128))]
+    # Kimi-Linear's softplus decay form (no lower bound).
+    small += [registry.Case(f"softplus_b{b}_h{h}_d{d}", _make(b, h, d), _kw(h, None), batch=b)
+              for b, h, d in ((1, 2, 128), (2, 2, 64))]
     # Outside the kernel's coverage: must still match (the reference runs).
-    small.append(registry.Case("fallback_softplus_gate", _make(2, 2, 64), _kw(2, None), batch=2))
     small.append(registry.Case("fallback_f32", _make(1, 2, 64, dtype=f32), _kw(2), batch=1))
-    k3 = [registry.Case(f"k3_b{b}", _make(b, K3_HEADS, K3_D, K3_CONV), _kw(K3_HEADS), batch=b,
-                        sizes=frozenset({"k3"})) for b in BENCH_BATCHES]
-    return small + k3
+    big = frozenset({"k3"})     # real model shapes: GPU validation and benchmarks
+    k3 = [registry.Case(f"k3_b{b}", _make(b, K3_HEADS, K3_D, K3_CONV), _kw(K3_HEADS), batch=b, sizes=big)
+          for b in BENCH_BATCHES]
+    kl = [registry.Case(f"kimi_linear_b{b}", _make(b, KL_HEADS, K3_D, K3_CONV), _kw(KL_HEADS, None), batch=b,
+                        sizes=big) for b in KL_BATCHES]
+    return small + k3 + kl
 
 
 def cost(args, kwargs) -> tuple[float, float]:
@@ -209,5 +213,5 @@ def compare(out, ref, args, kwargs) -> float:
 registry.register_spec(registry.OpSpec(
     name="kda_decode", reference=ops.kda_decode, cases=cases, cost=cost, compare=compare,
     tolerance=lambda args, kwargs: registry.TOLERANCE["bfloat16"],
-    notes="bf16 activations, lower-bound gate, head dim 64/128 in the kernel; else the reference",
+    notes="bf16 activations, head dim 64/128 in the kernel (either gate form); else the reference",
 ))

@@ -1,7 +1,8 @@
-"""MXFP4 W4A16 routed experts at decode: y = sum_k w[n,k] * down(glu(gate(z), up(z))) of the selected experts.
+"""Routed experts at decode: y = sum_k w[n,k] * down(glu(gate(z), up(z))) of the selected experts.
 
-z [N, M] bf16 (1-64 tokens), ids/weights [N, k], experts in the compressed-tensors MXFP4 layout
-(packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see k3jax.mxfp4). Same contract and
+z [N, M] bf16 (1-64 tokens), ids/weights [N, k], experts either in the compressed-tensors MXFP4
+layout (packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see k3jax.mxfp4; W4A16) or
+bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
 dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected experts (static bound
 U = min(E, N*k), padded with E) run on every token, and a [U, N] coefficient matrix
 (ops.expert_dispatch) combines them - no sort, no scatter.
@@ -37,14 +38,27 @@ numpy model of it (with the register placement of `_decode_quad`) against mxfp4.
 permute_k, bit for bit, for every code in every byte position and the scale codes in use.
 Stages: as many (2-4) as keep a program under ~110 KB of SMEM, so two programs share an SM and
 one decodes while the other waits on its wgmma / TMA (batch 1: gate/up 2 stages, down 4).
+
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
 H200 (2026-11-30, CUPTI, E=448): batch 1 148 us (44% of the 4.3 TB/s copy rate; the previous
 elementwise decode through SMEM took 836 us), batch 8 836 us (54%; was 5604 us). Still bound by
 decode issue rate and latency (one warpgroup per program, two programs per SM), not by HBM.
 
-Anything else (bf16 experts, more than 64 tokens, M or I not a multiple of 512, non-bf16 z)
-runs the reference; `covers()` says which, and the first fallback per reason is logged.
+bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
+differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
+weights (the expert picked by its id, as above: no gather copy, which is most of the XLA
+reference's time on the H200) and one wgmma multiplies it from SMEM with the unpermuted
+activations [Np, 128] (tiles swizzled for wgmma; no decode, no `permute_k`). 128 columns per step
+(BF16_STEP): a gate/up step is 2 x 16 KB of weights + Np x 256 B of activations, so 1-16 tokens
+run 3 stages in <= 108 KB (two programs per SM, each with two steps = 64 KB of loads in flight
+while it multiplies) and 32-64 tokens 2 stages in <= 96 KB; the down kernel (one matrix) runs 4
+stages in <= 96 KB up to 32 tokens (3 at 64). A 256-column step would leave one stage per program
+at the two-programs budget (or one program per SM); 128 also divides Kimi-Linear's M = 2304.
+
+Anything else (float32 experts, more than 64 tokens, M or I not a multiple of the step: 512
+for MXFP4, 128 for bf16; non-bf16 z) runs the reference; `covers()` says which, and the first
+fallback per reason is logged.
 """
 
 from __future__ import annotations
@@ -63,12 +77,14 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax import mxfp4, ops
+from k3jax.presets import get_preset
 from pallas_kernels import mgpu, registry
 
 
 BLOCK = 64                 # weight rows per program (wgmma M) and columns per wgmma K-tile
 BLOCK_IN = 512             # unpacked input columns per pipeline step: 256 packed bytes, 16 scale bytes
 KTILES = BLOCK_IN // BLOCK
+BF16_STEP = 128            # input columns per pipeline step for bf16 experts (SMEM: module doc)
 QUADS = BLOCK_IN // 128    # 128-column blocks per step: one 16-byte group per thread and row each
 MAX_TOKENS = 64
 SMEM_SHARE = 110 * 1024    # stages fitting this let two programs share an SM (latency hiding)
@@ -87,19 +103,32 @@ def unsupported(z, ids, experts: ops.ExpertWeights) -> str | None:
     """Why the kernel does not cover this call (None: it does)."""
     n, m = z.shape
     inter = experts.w1.shape[1]
-    if not experts.is_mxfp4:
-        return "experts are not MXFP4"
+    if not experts.is_mxfp4 and experts.w1.dtype != jnp.bfloat16:
+        return f"experts are {experts.w1.dtype}, the kernel takes MXFP4 or bfloat16"
     if z.dtype != jnp.bfloat16:
         return f"z is {z.dtype}, the kernel takes bfloat16"
     if not 1 <= n <= MAX_TOKENS:
         return f"{n} tokens (the kernel takes 1-{MAX_TOKENS})"
-    if m % BLOCK_IN or inter % BLOCK_IN:
-        return f"M={m} or I={inter} not a multiple of {BLOCK_IN}"
+    step = _step(experts.is_mxfp4)
+    if m % step or inter % step:
+        return f"M={m} or I={inter} not a multiple of {step}"
     return None
 
 
 def covers(z, ids, experts) -> bool:
     return unsupported(z, ids, experts) is None
+
+
+def _step(mxfp4: bool) -> int:
+    """Input columns per pipeline step."""
+    return BLOCK_IN if mxfp4 else BF16_STEP
+
+
+def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
+    """Per matrix (w1, w3, w2), the arrays its pipeline steps read: (packed, scales) or (bf16,)."""
+    if experts.is_mxfp4:
+        return (experts.w1, experts.s1), (experts.w3, experts.s3), (experts.w2, experts.s2)
+    return (experts.w1,), (experts.w3,), (experts.w2,)
 
 
 def permute_k(x: jax.Array) -> jax.Array:
@@ -232,41 +261,67 @@ def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
         plgpu.wgmma_wait(0)
 
 
-def _stages(n_pad: int, matrices: int) -> int:
+def _mma(acc, w_s, x_s, stage_s) -> None:
+    """acc[64, Np] += one pipeline step of a matrix: w_s its weight refs, (packed, scales) (see
+    _dequant_mma) or (a [64, 128] bf16 tile,), against x_s (that format's activation block)."""
+    if len(w_s) == 2:
+        _dequant_mma(acc, *w_s, x_s, stage_s)
+    else:
+        plgpu.wgmma(acc, w_s[0], x_s.T)
+
+
+def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
     """Pipeline stages: as many (<= 4) as let two programs share an SM, else as many as fit."""
-    step = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32) + KTILES * n_pad * BLOCK * 2
+    if mxfp4:   # + interpret mode's staging tile
+        step, extra = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32), BLOCK * BLOCK * 2
+    else:
+        step, extra = matrices * BLOCK * BF16_STEP * 2, 0
+    step += n_pad * _step(mxfp4) * 2                          # the activations' bf16 block
     for budget, options in ((SMEM_SHARE, (4, 3, 2)), (SMEM_BUDGET, (2, 1))):
         for stages in options:
-            if stages * step + BLOCK * BLOCK * 2 <= budget:   # + interpret mode's staging tile
+            if stages * step + extra <= budget:
                 return stages
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 
 
-def _weight_specs():
-    return [plgpu.BlockSpec((BLOCK, BLOCK_IN // 2), lambda k: (0, k)),
-            plgpu.BlockSpec((BLOCK, BLOCK_IN // 32), lambda k: (0, k))]
+def _weight_specs(mxfp4: bool):
+    if mxfp4:
+        return [plgpu.BlockSpec((BLOCK, BLOCK_IN // 2), lambda k: (0, k)),
+                plgpu.BlockSpec((BLOCK, BLOCK_IN // 32), lambda k: (0, k))]
+    return [plgpu.BlockSpec((BLOCK, BF16_STEP), lambda k: (0, k), transforms=TILED)]
 
 
-def _x_spec(n_pad: int):
-    return plgpu.BlockSpec((KTILES, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)
+def _x_spec(n_pad: int, mxfp4: bool):
+    """The activations' block per step: MXFP4 reads permuted K-tiles [8, Np, 64] (`_x_layout`),
+    bf16 a plain [Np, 128] slice (wgmma transposes it as the B operand)."""
+    if mxfp4:
+        return plgpu.BlockSpec((KTILES, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)
+    return plgpu.BlockSpec((n_pad, BF16_STEP), lambda k: (0, k), transforms=TILED)
 
 
-def _staging(body, compiled: bool):
-    """Runs body(stage_s): stage_s None when compiled, else a scoped SMEM staging tile."""
-    if compiled:
+def _x_layout(x: jax.Array, mxfp4: bool) -> jax.Array:
+    """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4) or x."""
+    return _k_tiles(x) if mxfp4 else x
+
+
+def _staging(body, staged: bool):
+    """Runs body(stage_s): a scoped SMEM staging tile when `staged` (interpret-mode MXFP4), else None."""
+    if not staged:
         return body(None)
     return pl.run_scoped(body, plgpu.SMEM((BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
 
 
-def _gate_up(zt, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
-    """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding)."""
-    _, n_pad, _ = zt.shape
-    n_exp, inter, half = w1.shape
-    u_n = uniq.shape[0]
-    stages = _stages(n_pad, 2)
-    compiled = mgpu.interpret_params() is None
+def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
+    """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
+    zt: z [Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
+    u_n, n_pad = coef.shape
+    n_exp, inter = gate[0].shape[:2]
+    mx = len(gate) == 2
+    stages = _stages(n_pad, 2, mx)
+    staged = mx and mgpu.interpret_params() is not None
 
-    def body(zt_g, uniq_g, coef_g, w1_g, s1_g, w3_g, s3_g, h_g):
+    def body(zt_g, uniq_g, coef_g, *refs):
+        *w_g, h_g = refs
         oi, ui = jax.lax.axis_index("o"), jax.lax.axis_index("u")
         eid = uniq_g[ui]
         rows = pl.ds(oi * BLOCK, BLOCK)
@@ -275,20 +330,21 @@ def _gate_up(zt, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
             @pl.when(eid < n_exp)
             def _compute():
                 def accumulate(acc_g, acc_u, stage_s):
-                    def step(_, w1_s, s1_s, w3_s, s3_s, x_s):
-                        _dequant_mma(acc_g, w1_s, s1_s, x_s, stage_s)
-                        _dequant_mma(acc_u, w3_s, s3_s, x_s, stage_s)
-                        plgpu.wgmma_wait(0)      # x_s's slot is refilled after the step
+                    def step(_, *smem):
+                        *w_s, x_s = smem
+                        _mma(acc_g, w_s[:len(gate)], x_s, stage_s)
+                        _mma(acc_u, w_s[len(gate):], x_s, stage_s)
+                        plgpu.wgmma_wait(0)      # the step's slots are refilled after it
                     plgpu.emit_pipeline(
-                        step, grid=(half * 2 // BLOCK_IN,),
-                        in_specs=_weight_specs() * 2 + [_x_spec(n_pad)], max_concurrent_steps=stages,
-                    )(w1_g.at[eid, rows], s1_g.at[eid, rows], w3_g.at[eid, rows], s3_g.at[eid, rows], zt_g)
+                        step, grid=(steps,),
+                        in_specs=_weight_specs(mx) * 2 + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
+                    )(*(w.at[eid, rows] for w in w_g), zt_g)
                     return acc_g[...], acc_u[...]
-                gate, up = pl.run_scoped(
-                    lambda a, b: _staging(functools.partial(accumulate, a, b), compiled),
+                g, u = pl.run_scoped(
+                    lambda a, b: _staging(functools.partial(accumulate, a, b), staged),
                     plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
                 # The reference's formula on registers: bf16 projections, float32 activation.
-                h = ops.glu(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), act, beta, linear_beta)
+                h = ops.glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), act, beta, linear_beta)
                 cf = plgpu.load(coef_g.at[ui], layout=COL, optimized=False)
                 o_s[...] = (h.astype(jnp.float32) * jax.lax.broadcast_in_dim(cf, h.shape, (1,))).astype(jnp.bfloat16)
 
@@ -306,13 +362,14 @@ def _gate_up(zt, uniq, coef, w1, s1, w3, s3, *, act, beta, linear_beta):
         body, out_type=jax.ShapeDtypeStruct((u_n, inter, n_pad), jnp.bfloat16),
         grid=(inter // BLOCK, u_n), grid_names=("o", "u"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
-    )(zt, uniq, coef, w1, s1, w3, s3)
+    )(zt, uniq, coef, *gate, *up)
 
 
-def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int) -> int:
+def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int, weight_bytes: float = 0.5) -> int:
     """Expert splits S of the down kernel: the divisor of the slot count maximising whole-wave SM
-    fill x (weight bytes / (weight + float32 partial bytes)); ties go to the smaller split."""
-    weight = slots * out_tiles * BLOCK * inter / 2          # packed w2 bytes if every slot is used
+    fill x (weight bytes / (weight + float32 partial bytes)); ties go to the smaller split.
+    weight_bytes: bytes per w2 element (0.5 packed MXFP4, 2 bf16)."""
+    weight = slots * out_tiles * BLOCK * inter * weight_bytes   # w2 bytes if every slot is used
     best = (0.0, 1)
     for s in range(1, slots + 1):
         if slots % s:
@@ -325,15 +382,18 @@ def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int) ->
     return best[1]
 
 
-def _down(ht, uniq, w2, s2, splits: int):
-    """float32 partials [S, M, Np] of sum_u w2_u @ h_u over each split's expert slots."""
-    u_n, _, n_pad, _ = ht.shape
-    n_exp, m, half = w2.shape
+def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
+    """float32 partials [S, M, Np] of sum_u w2_u @ h_u over each split's expert slots.
+    ht: h [U, Np, I] in `_x_layout` (per slot); down: `_operands` of w2; steps: I / step columns."""
+    u_n = uniq.shape[0]
+    n_exp, m = down[0].shape[:2]
     per = u_n // splits
-    stages = _stages(n_pad, 1)
-    compiled = mgpu.interpret_params() is None
+    mx = len(down) == 2
+    stages = _stages(n_pad, 1, mx)
+    staged = mx and mgpu.interpret_params() is not None
 
-    def body(ht_g, uniq_g, w2_g, s2_g, o_g):
+    def body(ht_g, uniq_g, *refs):
+        *w_g, o_g = refs
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         rows = pl.ds(oi * BLOCK, BLOCK)
 
@@ -344,16 +404,17 @@ def _down(ht, uniq, w2, s2, splits: int):
 
                 @pl.when(eid < n_exp)      # padded slots read no weights
                 def _():
-                    def step(_, w_s, s_s, x_s):
-                        _dequant_mma(acc, w_s, s_s, x_s, stage_s)
+                    def step(_, *smem):
+                        *w_s, x_s = smem
+                        _mma(acc, w_s, x_s, stage_s)
                         plgpu.wgmma_wait(0)
                     plgpu.emit_pipeline(
-                        step, grid=(half * 2 // BLOCK_IN,),
-                        in_specs=_weight_specs() + [_x_spec(n_pad)], max_concurrent_steps=stages,
-                    )(w2_g.at[eid, rows], s2_g.at[eid, rows], ht_g.at[u])
+                        step, grid=(steps,),
+                        in_specs=_weight_specs(mx) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
+                    )(*(w.at[eid, rows] for w in w_g), ht_g.at[u])
             return acc[...]
 
-        acc = pl.run_scoped(lambda a: _staging(functools.partial(accumulate, a), compiled),
+        acc = pl.run_scoped(lambda a: _staging(functools.partial(accumulate, a), staged),
                             plgpu.ACC((BLOCK, n_pad)))
 
         mgpu.store_tile(acc, o_g.at[si, rows])
@@ -362,7 +423,7 @@ def _down(ht, uniq, w2, s2, splits: int):
         body, out_type=jax.ShapeDtypeStruct((splits, m, n_pad), jnp.float32),
         grid=(m // BLOCK, splits), grid_names=("o", "s"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
-    )(ht, uniq, w2, s2)
+    )(ht, uniq, *down)
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
@@ -375,25 +436,30 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
+    mx, step = experts.is_mxfp4, _step(experts.is_mxfp4)
+    gate, up, down = _operands(experts)
     n_pad = max(8, -(-n // 8) * 8)
     slots = min(n_exp, n * k)
     uniq, coef = ops.expert_dispatch(ids, weights, n_exp, slots)
     coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    zt = _k_tiles(jnp.pad(z, ((0, n_pad - n), (0, 0))))               # [M/64, Np, 64]
-    h = _gate_up(zt, uniq, coef, experts.w1, experts.s1, experts.w3, experts.s3,
-                 act=act, beta=beta, linear_beta=linear_beta)
-    ht = _k_tiles(jnp.swapaxes(h, 1, 2))                              # [U, I/64, Np, 64]
-    splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms())
-    part = _down(ht, uniq, experts.w2, experts.s2, splits)
+    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), mx)
+    h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
+    ht = _x_layout(jnp.swapaxes(h, 1, 2), mx)                          # per slot, as z
+    splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
+    part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
     return part.sum(0).T[:n].astype(z.dtype)
 
 
 registry.register("moe_experts", "pallas", moe_experts)
 
 # ------------------------------------------------------------------ validation / benchmark spec
-ACT = (("act", "situ"), ("beta", 4.0), ("linear_beta", 8.0))   # K3's SiTU (config activation_situ_*)
-K3_M, K3_I, K3_K = 3584, 3072, 16
+_K3 = get_preset("k3-full")
+ACT = tuple(_K3.activation.items())
+K3_M, K3_I, K3_K = _K3.moe_hidden_size, _K3.moe_intermediate_size, _K3.num_experts_per_token
 BENCH_BATCHES = (1, 8, 32, 64)
+_KL = get_preset("kimi-linear-48b")      # bf16 experts, SwiGLU
+KL_SHAPE = (_KL.moe_hidden_size, _KL.moe_intermediate_size, _KL.num_experts, _KL.num_experts_per_token)
+KL_ACT = tuple(_KL.activation.items())
 
 
 def _make(n: int, m: int, inter: int, n_exp: int, k: int, fmt: str = "mxfp4"):
@@ -424,11 +490,21 @@ def cases() -> list[registry.Case]:
                                    (9, 512, 1024, 16, 4))]
     small.append(registry.Case("silu_n1", _make(1, 512, 512, 4, 1), (("act", "silu"), ("beta", 1.0),
                                                                       ("linear_beta", None)), batch=1))
+    small += [registry.Case(f"bf16_n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k, "bf16"), ACT, batch=n)
+              for n, m, i, e, k in ((1, 256, 128, 4, 1), (2, 128, 256, 8, 2), (3, 384, 128, 6, 2),
+                                    (9, 256, 256, 16, 4))]
+    small.append(registry.Case("bf16_silu_n2", _make(2, 128, 128, 4, 2, "bf16"), KL_ACT, batch=2))
     # Outside the kernel's coverage: must still match (the reference runs).
-    small.append(registry.Case("fallback_bf16_experts", _make(2, 256, 128, 4, 2, "bf16"), ACT, batch=2))
+    small.append(registry.Case("fallback_bf16_m192", _make(2, 192, 64, 4, 2, "bf16"), ACT, batch=2))
     small.append(registry.Case("fallback_m96", _make(2, 96, 64, 4, 2), ACT, batch=2))
     k3 = [registry.Case(f"k3_e{e}_b{b}", _make(b, K3_M, K3_I, e, K3_K), ACT, batch=b, sizes=frozenset({"k3"}))
           for e in (448, 896) for b in BENCH_BATCHES]
+    m, i, e, k = KL_SHAPE
+    k3 += [registry.Case(f"kimi_linear_bf16_e{e}_b{b}", _make(b, m, i, e, k, "bf16"), KL_ACT, batch=b,
+                         sizes=frozenset({"k3"})) for b in (1, 8, 32)]
+    # K3 with bf16 experts (expert_format "bf16"): the MXFP4-vs-bf16 ablation, 29.6 GB of experts.
+    k3 += [registry.Case(f"k3_bf16_e448_b{b}", _make(b, K3_M, K3_I, 448, K3_K, "bf16"), ACT, batch=b,
+                         sizes=frozenset({"k3"})) for b in (1, 8)]
     return small + k3
 
 
@@ -446,5 +522,6 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 registry.register_spec(registry.OpSpec(
     name="moe_experts", reference=ops.moe_experts, cases=cases, cost=cost,
-    notes="MXFP4 experts, bf16 z, 1-64 tokens, M and I multiples of 512 in the kernel; else the reference",
+    notes="MXFP4 or bf16 experts, bf16 z, 1-64 tokens, M and I multiples of 512 (MXFP4) / 128 (bf16) "
+          "in the kernel; else the reference",
 ))

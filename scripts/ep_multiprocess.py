@@ -35,12 +35,12 @@ def worker(args) -> None:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id)
     import k3jax
+    from k3jax import atomic
     model = k3jax.from_pretrained(args.preset, dtype="float32", seed=0, mesh=args.mesh or None)
     tokens = k3jax.generate(model, PROMPTS, args.new_tokens)
     if jax.process_index() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"tokens": tokens.tolist(), "devices": jax.device_count(),
-                       "processes": jax.process_count()}, f)
+        atomic.write_json(args.out, {"tokens": tokens.tolist(), "devices": jax.device_count(),
+                                     "processes": jax.process_count()})
     if args.num_processes > 1:
         jax.distributed.shutdown()
 

@@ -13,7 +13,8 @@
 # failure. Parity is judged against the router-ulp noise floor (k3jax.validate.router_nudged_plan).
 # Each phase has a time limit and writes its JSON / log under $OUT even when the limit cuts it
 # short (the tools save partial results). PRESET (default k3-h200), BATCHES (default 1,8) and
-# GRANULARITIES (default xla-ops,per-op) select the model points. Build the CuTe library first (python -m cute_bridge.build) and take
+# GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
+# OPS="moe_experts kda_decode") the ops of `validate` and `ops`. Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -22,6 +23,8 @@ PRESET=${PRESET:-k3-h200}
 BATCHES=${BATCHES:-1,8}
 GRANULARITIES=${GRANULARITIES:-xla-ops,per-op}
 TORCH_PRESET=${TORCH_PRESET:-kimi-linear-48b-h200}
+OPS=${OPS:-}
+op_flags=(); for op in $OPS; do op_flags+=(--op "$op"); done
 mkdir -p "$OUT"
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(parity model)
@@ -38,8 +41,8 @@ run_phase() {  # name, seconds, command...
 
 for phase in "${phases[@]}"; do
   case $phase in
-    validate) run_phase validate 120 python -m k3jax.validate --sizes k3 --repeats 1 --out "$OUT/validate" ;;
-    ops)      run_phase ops 120 python -m k3jax.bench --ops --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
+    validate) run_phase validate 120 python -m k3jax.validate --sizes k3 --repeats 1 "${op_flags[@]}" --out "$OUT/validate" ;;
+    ops)      run_phase ops 120 python -m k3jax.bench --ops $OPS --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
     parity)   run_phase parity 210 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
                 --steps 64 --out "$OUT/parity" ;;
     bisect)   run_phase bisect 400 python -m k3jax.validate --model --per-op --preset "$PRESET" --backends pallas \

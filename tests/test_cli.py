@@ -56,3 +56,37 @@ def test_unknown_preset(capsys):
 def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     assert decode.main(argv) == 2
     one_line_error(capsys, needle)
+
+
+@pytest.mark.parametrize("tool,argv,needle", [
+    ("validate", ["--model", "--preset", "nope"], "neither a preset"),
+    ("validate", ["--model", "--steps", "0"], "--steps and --batch must be >= 1"),
+    ("validate", ["--model", "--backends", "triton"], "unknown backend"),
+    ("validate", ["--op", "nope"], "unknown op 'nope'"),
+    ("validate", ["--sizes", "huge"], "--sizes takes small and/or k3"),
+    ("bench", ["--model", "--preset", "nope"], "neither a preset"),
+    ("bench", ["--model", "--backends", "triton"], "unknown backend"),
+    ("bench", ["--model", "--batches", "1,x"], "--batches must be comma-separated integers"),
+    ("bench", ["--ops", "nope"], "unknown op"),
+    ("bench", ["--report", "/nonexistent.json"], "no such result file"),
+])
+def test_validate_and_bench_reject_bad_input_before_running(capsys, tmp_path, tool, argv, needle):
+    """Nothing is run or written: one error line, exit status 2."""
+    from k3jax import bench, validate
+    main = {"validate": validate.main, "bench": bench.main}[tool]
+    assert main(argv + ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"k3jax.{tool}: error:") and needle in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_writes_keep_permissions(tmp_path):
+    from k3jax import atomic
+    umask = os.umask(0)
+    os.umask(umask)
+    path = tmp_path / "r.json"
+    atomic.write_json(str(path), {"a": 1})
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask          # as open() would create it
+    path.chmod(0o640)
+    atomic.write_json(str(path), {"a": 2})
+    assert path.stat().st_mode & 0o777 == 0o640 and json.loads(path.read_text()) == {"a": 2}

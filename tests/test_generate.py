@@ -52,7 +52,7 @@ def test_stop_tokens_pad_after_the_stop(model, greedy):
     stop = int(greedy[0, 2])
     pad = model.cfg.vocab_size - 1
     assert pad not in greedy and stop not in greedy[0, :2]
-    res = k3jax.generate_with_stats(model, PROMPTS, N, stop_tokens=[stop], pad_id=pad)
+    res = k3jax.generate_with_stats(model, PROMPTS, N, stop_tokens=stop, pad_id=pad)   # an int or a list
     first = int(np.argmax(greedy[1] == stop)) if stop in greedy[1] else None
     np.testing.assert_array_equal(res.tokens[0, :3], greedy[0, :3])
     assert (res.tokens[0, 3:] == pad).all() and res.num_generated[0] == 3

@@ -1,6 +1,6 @@
 """The Pallas (Mosaic GPU) KDA decode-step kernel against k3jax.ops.kda_decode: CPU interpret mode
-with race detection and NaN-poisoned memory (all three outputs checked), CUDA lowering export of
-the K3 shapes on CPU, and the real kernel on a GPU."""
+with race detection and NaN-poisoned memory (all three outputs checked; both gate forms), CUDA
+lowering export of the K3 and Kimi-Linear-48B shapes on CPU, and the real kernel on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +32,17 @@ def test_kda_decode_outputs_and_coverage():
     np.testing.assert_array_equal(np.asarray(conv[:, :-1], np.float32), np.asarray(args[0][:, 1:], np.float32))
     np.testing.assert_array_equal(np.asarray(conv[:, -1], np.float32), np.asarray(args[1], np.float32))
     assert s.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(s)))
-    assert "head dim" in kd.unsupported(args[0], args[1], jnp.zeros((1, 96)), 1, -5.0)
+    assert "head dim" in kd.unsupported(args[0], args[1], jnp.zeros((1, 96)), 1)
+    assert kd.unsupported(args[0], args[1], args[3], 2) is None
 
 
-@pytest.mark.parametrize("b", [1, 8, 128])
-def test_kda_decode_cuda_export(b):
-    args = jax.eval_shape(lambda: kd._make(b, kd.K3_HEADS, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
-    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=kd.K3_HEADS, lower_bound=-5.0, eps=1e-5))
+# K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads).
+@pytest.mark.parametrize("b,heads,lower_bound", [(1, kd.K3_HEADS, -5.0), (8, kd.K3_HEADS, -5.0),
+                                                 (128, kd.K3_HEADS, -5.0), (1, kd.KL_HEADS, None),
+                                                 (32, kd.KL_HEADS, None)])
+def test_kda_decode_cuda_export(b, heads, lower_bound):
+    args = jax.eval_shape(lambda: kd._make(b, heads, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
+    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5))
     with mgpu.compile_for_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()

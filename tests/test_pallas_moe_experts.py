@@ -1,8 +1,9 @@
-"""The Pallas (Mosaic GPU) MXFP4 routed-expert kernel against k3jax.ops.moe_experts: CPU interpret
-mode with race detection and NaN-poisoned memory, a bit-exact numpy model of the compiled path's
-PTX word decode and register placement, CUDA lowering export of the K3 shapes on CPU, and the
-real kernel on a GPU. Interpret mode is slow (~10 s per kernel call), so the CPU sweep keeps the
-cheapest cases; `python -m k3jax.validate --op moe_experts` runs all of them."""
+"""The Pallas (Mosaic GPU) routed-expert kernels (MXFP4 and bf16 experts) against
+k3jax.ops.moe_experts: CPU interpret mode with race detection and NaN-poisoned memory, a bit-exact
+numpy model of the compiled MXFP4 path's PTX word decode and register placement, CUDA lowering
+export of the K3 and Kimi-Linear shapes on CPU, and the real kernel on a GPU. Interpret mode is
+slow (~10 s per MXFP4 kernel call, ~2 s bf16), so the CPU sweep keeps the cheapest cases;
+`python -m k3jax.validate --op moe_experts` runs all of them."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from pallas_kernels import moe_experts as me
 SPEC = registry.spec("moe_experts")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
-CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_")) or c.name.startswith("fallback")]
+CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "fallback", "bf16_n1_", "bf16_n3_", "bf16_silu"))]
 
 
 def _prmt(a, b, sel):
@@ -107,10 +108,11 @@ def test_moe_experts_matches_reference_interpret(case):
         assert r.races is False
 
 
-def test_padded_expert_slots_are_skipped_and_zero():
+@pytest.mark.parametrize("fmt,d", [("mxfp4", 512), ("bf16", 128)])
+def test_padded_expert_slots_are_skipped_and_zero(fmt, d):
     """Two tokens choosing the same experts: 2 distinct of 4 slots, the padded slots read nothing
     and contribute nothing (their h rows are written as zeros, not left poisoned)."""
-    z, _, _, experts = me._make(2, 512, 512, 8, 2)(jax.random.key(1))
+    z, _, _, experts = me._make(2, d, d, 8, 2, fmt)(jax.random.key(1))
     ids = jnp.array([[5, 2], [2, 5]], jnp.int32)
     w = jnp.array([[0.7, 0.3], [0.4, 0.6]], jnp.float32)
     act = dict(me.ACT)
@@ -134,6 +136,27 @@ def test_coverage_and_split_plan():
     assert me._stages(8, 2) >= 2 and me._stages(8, 1) >= 3     # batch 1: two programs per SM
 
 
+def test_bf16_coverage_and_stages():
+    z, ids, w, experts = me._make(2, 128, 256, 4, 2, "bf16")(jax.random.key(0))
+    assert me.covers(z, ids, experts)
+    f32 = ops.ExpertWeights(*(x.astype(jnp.float32) for x in (experts.w1, experts.w3, experts.w2)))
+    assert "float32" in me.unsupported(z, ids, f32)
+    assert "multiple of 128" in me.unsupported(z[:, :96], ids, experts)
+    # >= 2 stages (TMA overlaps the wgmma) up to 64 tokens; 3 (gate/up) and 4 (down) at batch 1-8.
+    for n in (8, 16, 32, 64):
+        assert 2 <= me._stages(n, 2, False) and 3 <= me._stages(n, 1, False)
+    assert me._stages(8, 2, False) == 3 and me._stages(8, 1, False) == 4
+
+
+def _export_has_kernels(experts, n, m, k, act) -> bool:
+    s = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda z, ids, w, x: me.moe_experts(z, ids, w, x, **dict(act)))
+    with mgpu.compile_for_gpu():
+        exported = jax.export.export(fn, platforms=["cuda"])(
+            s((n, m), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32), experts)
+    return exported.mlir_module().count("mosaic_gpu") >= 2
+
+
 @pytest.mark.parametrize("n,e", [(1, 448), (8, 896), (64, 448)])
 def test_moe_experts_cuda_export(n, e):
     """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine."""
@@ -141,11 +164,19 @@ def test_moe_experts_cuda_export(n, e):
     s = jax.ShapeDtypeStruct
     experts = ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
                                 s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8))
-    fn = jax.jit(lambda z, ids, w, x: me.moe_experts(z, ids, w, x, **dict(me.ACT)))
-    with mgpu.compile_for_gpu():
-        exported = jax.export.export(fn, platforms=["cuda"])(
-            s((n, m), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32), experts)
-    assert exported.mlir_module().count("mosaic_gpu") >= 2
+    assert _export_has_kernels(experts, n, m, k, me.ACT)
+
+
+@pytest.mark.parametrize("n,shape,act", [(1, me.KL_SHAPE, me.KL_ACT), (32, me.KL_SHAPE, me.KL_ACT),
+                                         (8, (me.K3_M, me.K3_I, 448, me.K3_K), me.ACT)],
+                         ids=["kimi_linear_b1", "kimi_linear_b32", "k3_bf16_b8"])
+def test_moe_experts_bf16_cuda_export(n, shape, act):
+    """bf16 experts: the compiled kernels (TMA of bf16 weight tiles, SMEM wgmma) lower for CUDA."""
+    m, i, e, k = shape
+    s = jax.ShapeDtypeStruct
+    experts = ops.ExpertWeights(s((e, i, m), jnp.bfloat16), s((e, i, m), jnp.bfloat16), s((e, m, i), jnp.bfloat16))
+    assert me.covers(s((n, m), jnp.bfloat16), None, experts)
+    assert _export_has_kernels(experts, n, m, k, act)
 
 
 @pytest.mark.gpu

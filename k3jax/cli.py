@@ -1,0 +1,46 @@
+"""What the command-line tools share: integer-list flags and one error path for bad input.
+
+A tool's `main` runs its work through `run_cli`, so a bad preset, shape, file or memory estimate
+ends as one `python -m k3jax.<tool>: error: ...` line and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def int_list(text: str, flag: str, *, minimum: int = 1) -> list[int]:
+    """"1,8,32" -> [1, 8, 32]; ValueError naming `flag` for anything else (or a value < minimum)."""
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"{flag} is empty")
+    if min(vals) < minimum:
+        raise ValueError(f"{flag} needs integers >= {minimum}, got {text!r}")
+    return vals
+
+
+def run_cli(prog: str, work: Callable[[], int]) -> int:
+    """work() -> exit status; bad input (ConfigError, ValueError, FileNotFoundError,
+    OutOfMemoryError) -> one error line on stderr and status 2."""
+    from k3jax.config import ConfigError
+    from k3jax.weights import OutOfMemoryError
+    try:
+        return work()
+    except (ConfigError, ValueError, FileNotFoundError, OutOfMemoryError) as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2
+
+
+def check_preset(name_or_dir: str) -> None:
+    """ConfigError unless `name_or_dir` is a known preset or an existing checkpoint directory."""
+    import os
+
+    from k3jax.config import ConfigError
+    from k3jax.presets import PRESETS
+    if name_or_dir not in PRESETS and not os.path.isdir(name_or_dir):
+        raise ConfigError(f"{name_or_dir!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                          f"nor a checkpoint directory")
