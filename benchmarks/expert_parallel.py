@@ -50,12 +50,17 @@ import numpy as np  # noqa: E402
 
 from k3jax import atomic, moe_parallel, mxfp4, ops, sharding  # noqa: E402
 from k3jax.backend import BACKENDS  # noqa: E402
+from k3jax.cli import int_list  # noqa: E402
+from k3jax.presets import get_preset  # noqa: E402
 
-ACT = dict(act="situ", beta=4.0, linear_beta=25.0)
+K3 = get_preset("k3-full")  # the layer phase's default shapes and the expert activation
+ACT = K3.activation
 PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
 
 
 def timed(fn, *args, repeats: int) -> float:
+    # Not bench.time_rotating: wall time of one synced call of the whole chained-layer jit, host
+    # dispatch and collective launch included on purpose (the "wall" column in BENCHMARKS.md).
     jax.block_until_ready(fn(*args))                 # compile + warm-up
     times = []
     for _ in range(repeats):
@@ -101,7 +106,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
             packs = make(key)
         experts = ops.ExpertWeights(packs[0][0], packs[1][0], packs[2][0], packs[0][1], packs[1][1], packs[2][1])
         del packs
-    batches = [int(x) for x in a.batches.split(",")]
+    batches = int_list(a.batches, "--batches")
     inputs, refs = {}, {}
     one_device = jax.jit(tagged_reference if a.dispatch_only else
                          (lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT)))
@@ -214,7 +219,7 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
             "mesh": a.step_mesh}
     variants = [v for v in a.step_variants.split(",") if v]
     with jax.set_mesh(mesh):
-        for b in [int(x) for x in a.batches.split(",")]:
+        for b in int_list(a.batches, "--batches"):
             for backend in a.step_backends:
                 granularity = "xla-ops" if backend == "xla" else "per-op"
                 plan = bench.granularity_plan(backend, granularity)
@@ -273,10 +278,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ep", default=None, help="layer phase EP sizes, e.g. 8,4,2 (default: powers of two "
                    "from 2 to the device count; '' = no layer phase)")
-    p.add_argument("--experts", type=int, default=896)
-    p.add_argument("--latent", type=int, default=3584)
-    p.add_argument("--intermediate", type=int, default=3072)
-    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--experts", type=int, default=K3.num_experts)
+    p.add_argument("--latent", type=int, default=K3.moe_hidden_size)
+    p.add_argument("--intermediate", type=int, default=K3.moe_intermediate_size)
+    p.add_argument("--top-k", type=int, default=K3.num_experts_per_token)
     p.add_argument("--batches", default="1,8,64,256", help="tokens per step, both phases")
     p.add_argument("--variants", default=",".join(moe_parallel.VARIANTS), help="layer phase dispatch variants")
     p.add_argument("--layers", type=int, default=8, help="chained layers per timed call")

@@ -46,6 +46,7 @@ from k3jax import atomic  # noqa: E402
 from k3jax.cli import int_list  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.costs import MEASURED_COPY_BANDWIDTH, decode_step_bytes  # noqa: E402
+from k3jax.presets import get_preset  # noqa: E402
 
 SETTINGS = ("compile+cudagraphs", "compile", "eager")
 ROTATE_BYTES = 240 << 20
@@ -277,7 +278,9 @@ def bench_ops(a, device) -> dict:
         add("linear", case.name, case.batch, nbytes, flops, torch.nn.functional.linear, sets)
         del sets
     # K3 MoE layer at k3-h200 (448 local experts of 896, top-16, latent 3584, intermediate 3072).
-    e, k, m, inter = (448, 16, 3584, 3072) if a.sizes == "k3" else (8, 2, 64, 32)
+    k3 = get_preset("k3-h200")
+    e, k, m, inter = ((k3.num_experts, k3.num_experts_per_token, k3.moe_hidden_size, k3.moe_intermediate_size)
+                      if a.sizes == "k3" else (8, 2, 64, 32))
     w13 = torch.randn(e, m, 2 * inter, device=device, dtype=torch.bfloat16) * m ** -0.5
     w2 = torch.randn(e, inter, m, device=device, dtype=torch.bfloat16) * inter ** -0.5
     for b in sorted(batches):

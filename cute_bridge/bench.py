@@ -1,29 +1,32 @@
 """Check and time the CuTe kernels on a GPU next to the XLA reference: `python -m cute_bridge.bench`.
 
 Every case is checked against its k3jax.ops reference (fresh random inputs, outputs fully finite
-and within bf16 tolerance) before it is timed. Times: median over repeats of back-to-back calls
-(device work pipelined), inputs larger than L2. Roofline = bytes that must move / time, over the
-measured device copy rate. Prints a table; writes JSON to --out.
+and within bf16 tolerance) before it is timed. Times (k3jax.bench.time_rotating): median over 7
+rounds of 20 back-to-back calls (device work pipelined, host-dispatched wall time per call; the
+CUPTI kernel time beside it on GPU), rotating inputs larger than L2. Roofline = bytes that must
+move / wall time, over the measured device copy rate. Prints a table; writes JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cute_bridge import ops as cute_ops
-from k3jax import atomic, costs, mxfp4, ops
+from k3jax import atomic, bench, costs, mxfp4, ops
+from k3jax.presets import get_preset
 
 # (rows, out, in): K3 decode projections at batch 1 and 8, and the GPU notes' 28672 x 8192.
 GEMV_CASES = [(1, 28672, 8192), (1, 12288, 7168), (1, 7168, 12288), (1, 1536, 7168), (1, 18432, 1536),
               (1, 33792, 7168), (1, 163840, 7168), (8, 28672, 8192), (8, 12288, 7168)]
+K3 = get_preset("k3-h200")
 # (tokens, top_k, experts, hidden M, intermediate I): K3 routed experts (k3-h200) at batch 1 and 8.
-MOE_CASES = [(1, 16, 448, 3584, 3072), (8, 16, 448, 3584, 3072)]
+MOE_CASES = [(n, K3.num_experts_per_token, K3.num_experts, K3.moe_hidden_size, K3.moe_intermediate_size)
+             for n in (1, 8)]
 
 
 def rel_err(out, ref) -> float:
@@ -33,16 +36,19 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(o - r) / np.linalg.norm(r))
 
 
-def timeit(f, args_list, reps: int = 7, calls: int = 20) -> float:
-    """Median seconds per call; rotates through args_list (distinct buffers beat the L2)."""
-    jax.block_until_ready(f(*args_list[0]))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = [f(*args_list[i % len(args_list)]) for i in range(calls)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / calls)
-    return float(np.median(times))
+def timings(cute, ref, sets, nbytes: int, ceiling: float, calls: int = 20) -> dict:
+    """us_<backend>: wall time per call (the quantity in BENCHMARKS.md), kernel_us_<backend>: CUPTI
+    kernel time (GPU only), roofline_<backend>: bytes / wall time / ceiling; `calls` calls cycle
+    through `sets` (distinct buffers beat the L2)."""
+    rotated = [sets[i % len(sets)] for i in range(calls)]
+    out = {"bytes": nbytes}
+    for name, f in (("cute", cute), ("xla", ref)):
+        t = bench.time_rotating(f, rotated, rounds=7)
+        out[f"us_{name}"] = t["wall_s"] * 1e6
+        if t["timer"] == "cupti":
+            out[f"kernel_us_{name}"] = t["device_s"] * 1e6
+        out[f"roofline_{name}"] = nbytes / t["wall_s"] / ceiling
+    return out
 
 
 def gemv_case(key, rows, n, k, ceiling):
@@ -51,11 +57,9 @@ def gemv_case(key, rows, n, k, ceiling):
              jax.random.normal(jax.random.fold_in(kw, i), (n, k), jnp.bfloat16)) for i in range(2)]
     cute, ref = jax.jit(cute_ops.linear), jax.jit(ops.linear)
     err = max(rel_err(cute(*a), ref(*a)) for a in sets)
-    t_cute, t_xla = timeit(cute, sets), timeit(ref, sets)
     nbytes = 2 * (n * k + rows * k + rows * n)
-    return {"op": "linear", "shape": f"x[{rows},{k}] w[{n},{k}]", "rel_err": err, "us_cute": t_cute * 1e6,
-            "us_xla": t_xla * 1e6, "bytes": nbytes, "roofline_cute": nbytes / t_cute / ceiling,
-            "roofline_xla": nbytes / t_xla / ceiling}
+    return {"op": "linear", "shape": f"x[{rows},{k}] w[{n},{k}]", "rel_err": err,
+            **timings(cute, ref, sets, nbytes, ceiling)}
 
 
 def moe_case(key, n, top_k, e, m, inter, ceiling):
@@ -71,17 +75,15 @@ def moe_case(key, n, top_k, e, m, inter, ceiling):
         w = jax.nn.softmax(jax.random.normal(jax.random.fold_in(ks[4], i), (n, top_k)), -1)
         z = jax.random.normal(jax.random.fold_in(ks[5], i), (n, m), jnp.bfloat16)
         sets.append((z, ids, w, experts))
-    kw = dict(act="situ", beta=4.0, linear_beta=25.0)
+    kw = K3.activation
     cute = jax.jit(lambda z, i, w, x: cute_ops.moe_experts(z, i, w, x, **kw))
     ref = jax.jit(lambda z, i, w, x: ops.moe_experts(z, i, w, x, **kw))
     err = max(rel_err(cute(*a), ref(*a)) for a in sets)
-    t_cute, t_xla = timeit(cute, sets), timeit(ref, sets)
     distinct = np.mean([len(np.unique(np.asarray(a[1]))) for a in sets])
     per_expert = 3 * (inter * m // 2 + inter * m // 32)
     nbytes = int(distinct * per_expert + 4 * n * m)
     return {"op": "moe_experts", "shape": f"N={n} k={top_k} E={e} M={m} I={inter} mxfp4", "rel_err": err,
-            "us_cute": t_cute * 1e6, "us_xla": t_xla * 1e6, "bytes": nbytes,
-            "roofline_cute": nbytes / t_cute / ceiling, "roofline_xla": nbytes / t_xla / ceiling}
+            **timings(cute, ref, sets, nbytes, ceiling)}
 
 
 def main(argv=None) -> int:

@@ -128,6 +128,16 @@ def test_from_pretrained_refuses_what_cannot_fit(monkeypatch):
         k3jax.from_pretrained("k3-tiny", dtype="float32", mesh="dp=8")
 
 
+def test_checkpoint_is_refused_before_reading_when_it_cannot_fit(monkeypatch):
+    import os
+    from k3jax import checkpoint
+    free_memory(monkeypatch, 1 << 20)
+    monkeypatch.setattr(checkpoint, "load_hf_checkpoint", lambda *a, **k: pytest.fail("read the tensors"))
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "k3-tiny")
+    with pytest.raises(k3jax.OutOfMemoryError, match="k3-tiny: needs ~"):
+        k3jax.from_pretrained(tiny)
+
+
 def test_generate_refuses_a_state_that_cannot_fit(model, monkeypatch):
     free_memory(monkeypatch, 1 << 19)   # beside the placed weights; the state needs ~1 MiB
     with pytest.raises(k3jax.OutOfMemoryError,
