@@ -271,22 +271,25 @@ _put_rows_jit = jax.jit(lambda buf, rows, start: jax.lax.dynamic_update_slice_in
                         donate_argnums=0)
 
 
-def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec = None,
+def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec = None, mesh=None,
                        progress: bool = True, **config_changes):
     """A K3Model from a Hugging Face checkpoint directory (config.json + safetensors).
 
     dtype: the model dtype for the bf16 tensors (F32-kept params stay F32, MXFP4 stays uint8).
     sharding: None (default device), one Sharding for everything, a dict {nnx_path: Sharding} or
       a callable (nnx_path, shape, dtype) -> Sharding (e.g. an expert-parallel rule).
+    mesh: the mesh `sharding` spreads the parameters over, for the memory check (one device's share).
     config_changes: K3Config overrides (e.g. expert_format) applied after reading config.json.
-    Raises CheckpointError / SafetensorsError / ConfigError naming every problem found.
+    Raises CheckpointError / SafetensorsError / ConfigError naming every problem found, and
+    OutOfMemoryError (weights.check_fits) before any tensor is read.
     """
-    from k3jax.weights import parse_dtype
+    from k3jax.weights import check_fits, parse_dtype
     dtype = parse_dtype(dtype)
     hf_config = read_hf_config(path)
     cfg = K3Config.from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
     if config_changes:
         cfg = cfg.replace(**config_changes)
+    check_fits(cfg, dtype, mesh=mesh)
     prefix = hf_prefix(hf_config)
     index = TensorIndex(path)
     slots = checkpoint_layout(cfg, prefix)

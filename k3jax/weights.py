@@ -153,11 +153,9 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
         from k3jax import sharding
         mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
     if os.path.isdir(path_or_preset):
-        from k3jax.checkpoint import load_hf_checkpoint, read_hf_config
-        cfg = K3Config.from_hf(read_hf_config(path_or_preset), name=os.path.basename(os.path.normpath(path_or_preset)))
-        check_fits(cfg.replace(**config_changes) if config_changes else cfg, dtype, mesh=mesh)   # before reading
+        from k3jax.checkpoint import load_hf_checkpoint
         target = None if mesh is None else sharding.checkpoint_sharding(mesh)
-        return load_hf_checkpoint(path_or_preset, dtype=dtype, sharding=target, **config_changes)
+        return load_hf_checkpoint(path_or_preset, dtype=dtype, sharding=target, mesh=mesh, **config_changes)
     if path_or_preset not in PRESETS and os.sep in path_or_preset:
         raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
     cfg = get_preset(path_or_preset, **config_changes)

@@ -132,7 +132,7 @@ def test_checkpoint_is_refused_before_reading_when_it_cannot_fit(monkeypatch):
     import os
     from k3jax import checkpoint
     free_memory(monkeypatch, 1 << 20)
-    monkeypatch.setattr(checkpoint, "load_hf_checkpoint", lambda *a, **k: pytest.fail("read the tensors"))
+    monkeypatch.setattr(checkpoint.TensorIndex, "read", lambda *a, **k: pytest.fail("read a tensor"))
     tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "k3-tiny")
     with pytest.raises(k3jax.OutOfMemoryError, match="k3-tiny: needs ~"):
         k3jax.from_pretrained(tiny)
