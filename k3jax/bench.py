@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from k3jax import atomic, costs
 from k3jax.backend import BACKENDS, REFERENCES
-from k3jax.cli import check_preset, int_list, run_cli
+from k3jax.cli import check_preset, int_list, known, run_cli
 
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 4 * L2_BYTES     # the rotation's working set: several times the L2
@@ -658,17 +658,12 @@ def _main(a: argparse.Namespace, command: str) -> int:
             print(f"updated {a.update}", file=sys.stderr)
         print(block)
         return 0
-    backends = a.backends.split(",") if a.backends else None
-    if backends and set(backends) - set(BACKENDS):
-        raise ValueError(f"unknown backend(s) {sorted(set(backends) - set(BACKENDS))}; choose from {', '.join(BACKENDS)}")
+    backends = known(a.backends.split(","), BACKENDS, "backend(s)") if a.backends else None
     if jax.default_backend() != "gpu":
         print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
               file=sys.stderr)
     if a.model:
-        grans = a.granularities.split(",")
-        bad = [g for g in grans if g not in GRANULARITIES]
-        if bad:
-            raise ValueError(f"unknown granularity {bad}; choose from {', '.join(GRANULARITIES)}")
+        grans = known(a.granularities.split(","), GRANULARITIES, "granularity")
         check_preset(a.preset)
         batches, contexts = int_list(a.batches or DEFAULT_BATCHES, "--batches"), int_list(a.contexts, "--contexts")
         out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
@@ -685,9 +680,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         print(table)
         print(f"results: {out}, {stem}.md" + "".join(f", {q}" for q in plots))
         return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
-    ops = a.ops or list(REFERENCES)
-    if set(ops) - set(REFERENCES):
-        raise ValueError(f"unknown op(s) {sorted(set(ops) - set(REFERENCES))}; ops are {', '.join(REFERENCES)}")
+    ops = known(a.ops, REFERENCES, "op(s)") if a.ops else list(REFERENCES)
     batches = set(int_list(a.batches or "1,8,32,128", "--batches"))
     out = a.out or f"benchmarks/results/ops-{stamp}.json"
     save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill

@@ -1,4 +1,4 @@
-"""What the command-line tools share: integer-list flags and one error path for bad input.
+"""What the command-line tools share: list flags checked up front and one error path for bad input.
 
 A tool's `main` runs its work through `run_cli`, so a bad preset, shape, file or memory estimate
 ends as one `python -m k3jax.<tool>: error: ...` line and exit status 2, never a traceback.
@@ -21,6 +21,14 @@ def int_list(text: str, flag: str, *, minimum: int = 1) -> list[int]:
     if min(vals) < minimum:
         raise ValueError(f"{flag} needs integers >= {minimum}, got {text!r}")
     return vals
+
+
+def known(values: list[str], allowed, what: str) -> list[str]:
+    """`values` when each is one of `allowed`; else ValueError naming the unknown `what` and the choices."""
+    bad = sorted(set(values) - set(allowed))
+    if bad:
+        raise ValueError(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return values
 
 
 def run_cli(prog: str, work: Callable[[], int]) -> int:

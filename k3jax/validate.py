@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import atomic
-from k3jax.cli import check_preset, run_cli
+from k3jax.cli import check_preset, known, run_cli
 from k3jax.backend import BACKENDS, REFERENCES
 
 
@@ -104,7 +104,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
     results = []
     for op in ops or list(REFERENCES):
         if op not in REFERENCES:
-            raise ValueError(f"unknown op {op!r}; ops are {', '.join(REFERENCES)}")
+            raise ValueError(f"unknown op {op!r}; choose from {', '.join(REFERENCES)}")
         fn = registry.implementation(op, backend)
         if fn is None or op not in specs:
             log(f"{op:14s} no {backend} kernel (falls back to XLA)")
@@ -342,10 +342,7 @@ def main(argv=None) -> int:
 
 def _main(a: argparse.Namespace) -> int:
     if a.model:
-        backends = a.backends.split(",")
-        unknown = set(backends) - set(BACKENDS)
-        if unknown:
-            raise ValueError(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+        backends = known(a.backends.split(","), BACKENDS, "backend(s)")
         check_preset(a.preset)
         if a.steps < 1 or a.batch < 1:
             raise ValueError(f"--steps and --batch must be >= 1, got {a.steps} and {a.batch}")
