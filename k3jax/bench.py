@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from k3jax import atomic, costs
 from k3jax.backend import BACKENDS, REFERENCES
 from k3jax.cli import check_preset, int_list, known, run_cli
+from k3jax.moe_parallel import VARIANTS
 
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 4 * L2_BYTES     # the rotation's working set: several times the L2
@@ -670,7 +671,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
         result = bench_model(a.preset, backends or list(BACKENDS), grans, batches, contexts,
                              expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
-                             dtype=a.dtype, mesh=a.mesh, ep_variants=a.ep_variants.split(","), steps=a.steps,
+                             dtype=a.dtype, mesh=a.mesh, ep_variants=known(a.ep_variants.split(","), ("auto", *VARIANTS), "--ep-variants"), steps=a.steps,
                              warmup=a.warmup, on_row=save, progress=not a.no_progress, command=command)
         save(result)
         stem = out[:-5] if out.endswith(".json") else out

@@ -12,7 +12,9 @@ import os
 import sys
 
 from k3jax import atomic
+from k3jax.backend import BACKENDS
 from k3jax.cli import int_list, run_cli
+from k3jax.moe_parallel import VARIANTS
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
 
@@ -37,11 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--mesh", metavar="SPEC",
                      help="device mesh, e.g. ep=8 or ep=2,tp=2 or dp=2,ep=4 (dp/ep/tp = data/expert/tensor "
                           "parallel; default: one device); see docs/expert_parallel.md")
-    src.add_argument("--ep-variant", default="auto", choices=["auto", "ragged", "a2a", "allgather", "packed",
-                                                                   "a2a_packed", "allreduce"],
+    src.add_argument("--ep-variant", default="auto", choices=["auto", *VARIANTS],
                      help="expert-parallel dispatch/combine (default auto: on GPU packed for small batches, "
                           "ragged above; a2a on CPU)")
-    src.add_argument("--backend", default="xla", choices=["xla", "pallas", "cute"],
+    src.add_argument("--backend", default="xla", choices=BACKENDS,
                      help="decode-op implementations (default xla); ops without a kernel fall back, see the report")
     inp = p.add_argument_group("prompt")
     inp.add_argument("--prompt", action="append", metavar="TEXT",
