@@ -20,6 +20,7 @@ from k3jax.backend import XLA, KernelPlan
 from k3jax.cache import DecodeState, init_state
 from k3jax.config import K3Config
 from k3jax.layers import DecoderLayer, Linear, RMSNorm, norm_param, normal_param
+from k3jax.sharding import constrain_state
 
 
 class K3Model(nnx.Module):
@@ -73,7 +74,9 @@ class K3Model(nnx.Module):
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
         logits = self.lm_head(self.norm(h), plan).astype(jnp.float32)
-        return logits, DecodeState(lengths=state.lengths + num_new, layers=tuple(new_states))
+        # Pinned to the input's layout under a mesh: kernels (custom calls) leave their outputs'
+        # sharding to XLA, and a donated step must hand back the layout it was compiled for.
+        return logits, constrain_state(DecodeState(lengths=state.lengths + num_new, layers=tuple(new_states)))
 
     def _attn_res_stack(self, h: jax.Array, mixer) -> jax.Array:
         """Block Attention Residuals. Sub-layer inputs are softmax mixes over depth of the stored

@@ -17,7 +17,7 @@ expert a row of its own selects, so the local call gathers (and dequantises) onl
 rank's rows select. The gather variants leave out the gathered rows that are padding on every
 rank (K3 batch 1 on ep = 2: 16 rows instead of 32, the single-device bound), and up to E/ep rows
 run as ROW_CHUNK-row calls, the rank's own rows first: each call stays in ops.moe_experts' decode
-schedule and within the Pallas kernel's 64-row limit (K3 batch 8 on ep = 2: 128 rows).
+schedule and is one Pallas kernel call (K3 batch 8 on ep = 2: 128 rows).
 
 Variants (`variant=`):
 - "ragged": `jax.lax.ragged_all_to_all` there and back; only the routed rows travel. GPU.
@@ -116,11 +116,6 @@ def _expert_rows(rows, local_ids, valid, experts: ops.ExpertWeights, impl, act_k
     return out
 
 
-def _combine(per_slot, weights, dtype) -> jax.Array:
-    """per_slot [n, k, M], weights [n, k] -> [n, M]: the weighted sum of ops.moe_experts."""
-    return jnp.einsum("nkm,nk->nm", per_slot.astype(f32), weights).astype(dtype)
-
-
 def _destinations(ids, e_local: int):
     """Per (token, slot) pair: owner rank (ep for padding, whose id is E) and local expert id."""
     return ids.reshape(-1) // e_local, ids.reshape(-1) % e_local
@@ -172,7 +167,7 @@ def _a2a(z, ids, weights, experts, *, expert_fn, packed=False):
     y = expert_fn(recv, recv_ids, recv_ids >= 0, experts)
     back = jax.lax.all_to_all(y.reshape(ep, pairs, -1), AXIS, 0, 0, tiled=True)
     per_slot = back[jnp.minimum(dest, ep - 1), pos].reshape(n, k, -1)
-    return _combine(per_slot, weights, z.dtype)
+    return ops.combine_slots(per_slot, weights, z.dtype)
 
 
 def _exclusive_cumsum(x, axis=-1):
@@ -203,7 +198,7 @@ def _ragged(z, ids, weights, experts, *, expert_fn):
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((pairs, z.shape[1]), z.dtype), recv_off, recv_sizes,
                                      back_off, counts, axis_name=AXIS)
     per_slot = jnp.zeros_like(back).at[order].set(back).reshape(n, k, -1)
-    return _combine(per_slot, weights, z.dtype)
+    return ops.combine_slots(per_slot, weights, z.dtype)
 
 
 def _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens: int) -> jax.Array:
@@ -228,7 +223,7 @@ def _allgather(z, ids, weights, experts, *, expert_fn, n_tokens):
     ids_all = jax.lax.all_gather(ids, AXIS, tiled=True)                         # [ep*n, k]
     y = _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
-    return _combine(per_slot, weights, z.dtype)
+    return ops.combine_slots(per_slot, weights, z.dtype)
 
 
 def _packed(z, ids, weights, experts, *, expert_fn, n_tokens):
@@ -237,7 +232,7 @@ def _packed(z, ids, weights, experts, *, expert_fn, n_tokens):
     rows = jax.lax.all_gather(_pack(z, ids, num_ids), AXIS, tiled=True)        # [ep*n, M + c]
     y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
-    return _combine(per_slot, weights, z.dtype)
+    return ops.combine_slots(per_slot, weights, z.dtype)
 
 
 def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens):
@@ -251,7 +246,7 @@ def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens):
     y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
     # One rank non-zero per slot: the sum is exact; keep my tokens' rows.
     per_slot = jax.lax.dynamic_slice_in_dim(jax.lax.psum(y, AXIS), me * n, n, 0)
-    return _combine(per_slot, weights, z.dtype)
+    return ops.combine_slots(per_slot, weights, z.dtype)
 
 
 GATHERED = ("allgather", "packed", "allreduce")  # every rank sees every token of its group

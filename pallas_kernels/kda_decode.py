@@ -201,13 +201,19 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 
 def compare(out, ref, args, kwargs) -> float:
-    """Per output (o bf16, conv window bf16, state f32): error as a fraction of its tolerance,
-    times the bf16 tolerance, so one number compares against TOLERANCE['bfloat16']."""
-    worst = 0.0
-    for o, r in zip(out, ref, strict=True):
-        e = registry.relative_max_error(o, r)
-        worst = max(worst, e / registry.TOLERANCE[jnp.dtype(r.dtype).name] * registry.TOLERANCE["bfloat16"])
-    return worst
+    """Per output, error as a fraction of its allowance, times the bf16 tolerance (so one number
+    compares against TOLERANCE['bfloat16']). Allowances: TOLERANCE of the output's dtype for the conv
+    window and the state; twice that for o (bf16: two roundings, 2 x 2^-7), because o is rounded to
+    bf16 before the gated norm (as fla and transformers do) and again after it, and which way the
+    first rounding goes at a near-tie is decided by float32 summation order. Measured on the H200
+    (benchmarks/results/kda-reference-diagnosis-gpu-20261130-s4.log): against the same formula run
+    on XLA:CPU the kernel's o is exact at batch 1, while XLA:GPU's own run of the reference is
+    1.2e-2 off (XLA:GPU drops the intermediate rounding: excess precision) and at batch 128 both
+    are 1.07e-2 off."""
+    tol = [registry.TOLERANCE[jnp.dtype(r.dtype).name] for r in ref]     # o, conv window, state
+    tol[0] *= 2
+    return max(registry.relative_max_error(o, r) / t * registry.TOLERANCE["bfloat16"]
+               for o, r, t in zip(out, ref, tol, strict=True))
 
 
 registry.register_spec(registry.OpSpec(

@@ -166,20 +166,15 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape
-    c = latent.shape[-1]
-    w = w_kv_b.reshape(h, -1, c)                                   # [H, N+V, C]
-    w_uk, w_uv = w[:, :n], w[:, n:]
     hp = -(-h // BLOCK_H) * BLOCK_H
     pad = ((0, 0), (0, hp - h), (0, 0))
-    # float32 operands as in the reference (XLA:CPU has no batched bf16 x bf16 -> f32 dot).
-    q_lat = jnp.einsum("bhn,hnc->bhc", q_nope.astype(f32), w_uk.astype(f32))
-    q_lat = jnp.pad(q_lat.astype(latent.dtype), pad)
-    splits = plan(b, h, latent.shape[1], c, mgpu.num_sms())
+    q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
+    splits = plan(b, h, latent.shape[1], latent.shape[-1], mgpu.num_sms())
     o, m, l = _partials(q_lat, jnp.pad(q_rope, pad), latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
     # Log-sum-exp combine of the splits (base 2; a fully masked split has m = MASKED: weight 0).
     wgt = jnp.exp2(m - m.max(0))
     o_lat = (wgt[..., None] * o).sum(0) / (wgt * l).sum(0)[..., None]          # [B, Hp, C]
-    return jnp.einsum("bhc,hvc->bhv", o_lat[:, :h], w_uv.astype(f32)).astype(q_nope.dtype)
+    return ops.mla_expand_output(o_lat[:, :h], w_kv_b, n, q_nope.dtype)
 
 
 registry.register("mla_decode", "pallas", mla_decode)

@@ -1,6 +1,6 @@
 """Routed experts at decode: y = sum_k w[n,k] * down(glu(gate(z), up(z))) of the selected experts.
 
-z [N, M] bf16 (1-64 tokens), ids/weights [N, k], experts either in the compressed-tensors MXFP4
+z [N, M] bf16 (calls of at most 64 tokens: MAX_TOKENS), ids/weights [N, k], experts either in the compressed-tensors MXFP4
 layout (packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see k3jax.mxfp4; W4A16) or
 bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
 dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected experts (static bound
@@ -56,7 +56,7 @@ while it multiplies) and 32-64 tokens 2 stages in <= 96 KB; the down kernel (one
 stages in <= 96 KB up to 32 tokens (3 at 64). A 256-column step would leave one stage per program
 at the two-programs budget (or one program per SM); 128 also divides Kimi-Linear's M = 2304.
 
-Anything else (float32 experts, more than 64 tokens, M or I not a multiple of the step: 512
+More than MAX_TOKENS tokens run as several calls. Anything else (float32 experts, M or I not a multiple of the step: 512
 for MXFP4, 128 for bf16; non-bf16 z) runs the reference; `covers()` says which, and the first
 fallback per reason is logged.
 """
@@ -107,8 +107,8 @@ def unsupported(z, ids, experts: ops.ExpertWeights) -> str | None:
         return f"experts are {experts.w1.dtype}, the kernel takes MXFP4 or bfloat16"
     if z.dtype != jnp.bfloat16:
         return f"z is {z.dtype}, the kernel takes bfloat16"
-    if not 1 <= n <= MAX_TOKENS:
-        return f"{n} tokens (the kernel takes 1-{MAX_TOKENS})"
+    if n < 1:
+        return "no tokens"
     step = _step(experts.is_mxfp4)
     if m % step or inter % step:
         return f"M={m} or I={inter} not a multiple of {step}"
@@ -428,11 +428,31 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
-    """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
+    """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
+    Past MAX_TOKENS tokens: equal calls of at most MAX_TOKENS rows (padding rows repeat row 0's
+    experts with weight 0), each reading its own selected experts once."""
     why = unsupported(z, ids, experts)
     if why is not None:
         return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
                                                              linear_beta=linear_beta, expert_chunk=expert_chunk)
+    n, k = ids.shape
+    act_kw = dict(act=act, beta=beta, linear_beta=linear_beta)
+    if n <= MAX_TOKENS:
+        return _moe_rows(z, ids, weights, experts, **act_kw)
+    calls = -(-n // MAX_TOKENS)
+    rows = -(-n // calls)
+    pad = calls * rows - n
+    z = jnp.pad(z, ((0, pad), (0, 0)))
+    ids = jnp.concatenate([ids, jnp.broadcast_to(ids[:1], (pad, k))])
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    parts = [_moe_rows(z[c * rows:(c + 1) * rows], ids[c * rows:(c + 1) * rows], weights[c * rows:(c + 1) * rows],
+                       experts, **act_kw) for c in range(calls)]
+    return jnp.concatenate(parts)[:n]
+
+
+def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: float,
+              linear_beta: float | None) -> jax.Array:
+    """One kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's dtype."""
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
@@ -456,7 +476,7 @@ registry.register("moe_experts", "pallas", moe_experts)
 _K3 = get_preset("k3-full")
 ACT = tuple(_K3.activation.items())
 K3_M, K3_I, K3_K = _K3.moe_hidden_size, _K3.moe_intermediate_size, _K3.num_experts_per_token
-BENCH_BATCHES = (1, 8, 32, 64)
+BENCH_BATCHES = (1, 8, 32, 64, 128)
 _KL = get_preset("kimi-linear-48b")      # bf16 experts, SwiGLU
 KL_SHAPE = (_KL.moe_hidden_size, _KL.moe_intermediate_size, _KL.num_experts, _KL.num_experts_per_token)
 KL_ACT = tuple(_KL.activation.items())
@@ -488,6 +508,8 @@ def cases() -> list[registry.Case]:
     small = [registry.Case(f"n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k), ACT, batch=n)
              for n, m, i, e, k in ((1, 512, 512, 4, 1), (2, 512, 512, 8, 2), (3, 1024, 512, 6, 2),
                                    (9, 512, 1024, 16, 4))]
+    # Past MAX_TOKENS: two calls of 35 rows (one padding row).
+    small.append(registry.Case("n69_two_calls", _make(69, 512, 512, 8, 2), ACT, batch=69))
     small.append(registry.Case("silu_n1", _make(1, 512, 512, 4, 1), (("act", "silu"), ("beta", 1.0),
                                                                       ("linear_beta", None)), batch=1))
     small += [registry.Case(f"bf16_n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k, "bf16"), ACT, batch=n)
@@ -522,6 +544,6 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 registry.register_spec(registry.OpSpec(
     name="moe_experts", reference=ops.moe_experts, cases=cases, cost=cost,
-    notes="MXFP4 or bf16 experts, bf16 z, 1-64 tokens, M and I multiples of 512 (MXFP4) / 128 (bf16) "
-          "in the kernel; else the reference",
+    notes="MXFP4 or bf16 experts, bf16 z, M and I multiples of 512 (MXFP4) / 128 (bf16) in the kernel "
+          "(calls of at most 64 tokens); else the reference",
 ))

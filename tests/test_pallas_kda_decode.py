@@ -53,3 +53,18 @@ def test_kda_decode_cuda_export(b, heads, lower_bound):
 def test_kda_decode_gpu(case):
     r = validate.check_case(SPEC, "pallas", kd.kda_decode, case, seed=5)
     assert r.passed, r
+
+
+def test_cpu_judge_script(capsys):
+    """benchmarks/cpu_judge.py (the kernel and the reference against the reference on XLA:CPU)
+    prints one line per output and rejects an unknown case with exit status 2."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "cpu_judge.py"
+    spec = importlib.util.spec_from_file_location("cpu_judge", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.judge("kda_decode", ["softplus_b1_h2_d128"], "pallas") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all("pallas-vs-cpu" in line for line in lines)
+    assert mod.run_cli("cpu_judge", lambda: mod.judge("kda_decode", ["nope"], "pallas")) == 2

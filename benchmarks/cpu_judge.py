@@ -1,0 +1,50 @@
+"""Who is right when a kernel and its reference disagree on the GPU: both against the same
+reference run on XLA:CPU (exact float32, no excess precision), output by output.
+
+    python benchmarks/cpu_judge.py --op kda_decode --case kimi_linear_b1 --case k3_b128 [--impl pallas]
+
+Prints, per output leaf, max |a - b| / max |judge| for kernel-vs-judge, reference-vs-judge and
+kernel-vs-reference. Used for BENCHMARKS.md's kda_decode diagnosis (session 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+from k3jax.cli import known, run_cli
+from pallas_kernels import registry
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", required=True, help="a registered op, e.g. kda_decode")
+    ap.add_argument("--case", action="append", required=True, help="a case name of that op's sweep (repeatable)")
+    ap.add_argument("--impl", default="pallas", help="implementation to judge (default pallas)")
+    args = ap.parse_args()
+    return run_cli("cpu_judge", lambda: judge(args.op, args.case, args.impl))
+
+
+def judge(op: str, cases: list[str], impl: str) -> int:
+    spec = registry.spec(known([op], registry.specs(), "op")[0])
+    kernel = registry.implementation(op, known([impl], registry.implementations(op), f"implementation of {op}")[0])
+    by_name = {c.name: c for c in spec.cases()}
+    known(cases, sorted(by_name), f"case of {op}")
+    cpu = jax.devices("cpu")[0]
+    for name in cases:
+        case = by_name[name]
+        inputs, kw = case.make(jax.random.key(0)), dict(case.kwargs)
+        out = jax.jit(lambda *a: kernel(*a, **kw))(*inputs)
+        ref = jax.jit(lambda *a: spec.reference(*a, **kw))(*inputs)
+        with jax.default_device(cpu):
+            judge = jax.jit(lambda *a: spec.reference(*a, **kw))(*jax.device_put(inputs, cpu))
+        for i, (o, r, j) in enumerate(zip(*(jax.tree.leaves(x) for x in (out, ref, judge)), strict=True)):
+            err = registry.relative_max_error
+            print(f"{op} {name:20s} output {i}  {impl}-vs-cpu {err(o, j):.3e}  "
+                  f"reference-vs-cpu {err(r, j):.3e}  {impl}-vs-reference {err(o, r):.3e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
