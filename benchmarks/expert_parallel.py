@@ -19,8 +19,8 @@ output is first checked against ops.moe_experts on one device holding all expert
 experts are built, so the phase takes seconds).
 
 Phase 2 ("rows", the k3jax.bench --model schema, so `python -m k3jax.bench --report` tables it):
-the jitted decode step of `--preset` on `--step-mesh`, timed by k3jax.bench (state at
-`--context` cached tokens), for each batch x `--step-backends` x `--step-variants`, batch-major.
+the jitted decode step of `--preset` on `--step-mesh`: k3jax.bench.bench_model (state at
+`--context` cached tokens), for each batch x `--step-variants` x `--step-backends`, batch-major.
 "xla" runs XLA ops only (granularity xla-ops); a kernel backend runs its per-op KernelPlan (the
 "moe_experts" kernel is each rank's local expert call inside the expert-parallel shard_map), and
 its row lists the kernels and `fallbacks` (op/backend -> why a call ran the XLA reference,
@@ -29,7 +29,8 @@ k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
 
 The JSON is rewritten after every measured point, so a run killed at its time limit keeps what
 it measured; `--budget-s` stops starting new points in time for the summary table.
-"ragged" (ragged_all_to_all) does not run on XLA:CPU: it is skipped there with a line saying so.
+"ragged" (ragged_all_to_all) does not run on XLA:CPU: it is skipped there with a line saying so
+(k3jax.moe_parallel.unavailable).
 """
 
 from __future__ import annotations
@@ -87,10 +88,6 @@ def routing(key, n, e, k):
     return ids.astype(jnp.int32), w / w.sum(-1, keepdims=True)
 
 
-def ragged_runs_here() -> bool:
-    return jax.default_backend() != "cpu"
-
-
 def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
     """Phase 1: one row per (ep, batch, variant) into out["moe_layer"]."""
     e, m, i, k = a.experts, a.latent, a.intermediate, a.top_k
@@ -141,10 +138,10 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
                 del local
             for variant in a.variants.split(","):
                 head = {"ep": ep, "batch": b, "variant": variant}
-                if variant == "ragged" and not ragged_runs_here():
-                    print(f"ep={ep} batch {b}: ragged skipped: ragged_all_to_all does not run on XLA:CPU "
-                          "(GPU only)", flush=True)
-                    rows.append({**head, "skipped": "ragged_all_to_all does not run on XLA:CPU"})
+                why = moe_parallel.unavailable(variant)
+                if why:
+                    print(f"ep={ep} batch {b}: {variant} skipped: {why}", flush=True)
+                    rows.append({**head, "skipped": why})
                     continue
                 if time.time() > deadline:
                     break
@@ -200,53 +197,20 @@ def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
 
 
 def step_bench(a, out: dict, deadline: float, save) -> None:
-    """Phase 2: decode-step rows (k3jax.bench schema) into out["rows"], batch-major."""
-    import k3jax
-    from k3jax import bench, costs
-    from pallas_kernels import registry
-    t = time.time()
-    model = k3jax.from_pretrained(a.preset, mesh=a.step_mesh, dtype=a.dtype)
-    mesh = sharding.model_mesh(model)
-    n_dev = 1 if mesh is None else mesh.size
-    dev = jax.devices()[0]
-    bw = costs.copy_bandwidth(dev)
-    out["meta"].update(create_s=time.time() - t, copy_bandwidth=bw, n_devices=n_dev, config=model.cfg.name,
-                       param_bytes={model.cfg.expert_format: sum(x.size * x.dtype.itemsize
-                                                                 for x in jax.tree.leaves(model))})
-    save()
-    print(f"created {a.preset} on {a.step_mesh} in {out['meta']['create_s']:.1f} s", flush=True)
-    base = {"preset": a.preset, "device": dev.device_kind, "expert_format": model.cfg.expert_format,
-            "mesh": a.step_mesh}
-    variants = [v for v in a.step_variants.split(",") if v]
-    with jax.set_mesh(mesh):
-        for b in int_list(a.batches, "--batches"):
-            for backend in a.step_backends:
-                granularity = "xla-ops" if backend == "xla" else "per-op"
-                plan = bench.granularity_plan(backend, granularity)
-                for variant in variants:
-                    head = {**base, "backend": backend, "granularity": granularity, "ep_variant": variant}
-                    why = plan if isinstance(plan, str) else (
-                        "ragged_all_to_all does not run on XLA:CPU"
-                        if variant == "ragged" and not ragged_runs_here() else None)
-                    if why:
-                        print(f"step batch {b} {backend} {variant}: skipped: {why}", flush=True)
-                        out["rows"].append({**head, "batch": b, "context": a.context, "status": "unavailable",
-                                            "reason": why})
-                        continue
-                    if time.time() > deadline:
-                        print(f"step phase: time budget reached before batch {b} {backend} {variant}", flush=True)
-                        return
-                    sharding.set_ep_variant(model, variant)
-                    model.plan = plan
-                    head["kernels"] = {op: impl for op, impl in plan.describe().items() if impl != "xla"}
-                    registry.clear_fallbacks()
-                    row = bench._bench_point(model, head, b, a.context, a.step_steps, a.warmup, 0, bw * n_dev)
-                    row["fallbacks"] = registry.fallbacks()
-                    out["rows"].append(row)
-                    save()
-                    print(json.dumps({k: row.get(k) for k in (
-                        "mesh", "backend", "ep_variant", "batch", "status", "step_s", "tokens_per_s",
-                        "roofline_fraction", "compile_s", "reason", "fallbacks")}), flush=True)
+    """Phase 2: decode-step rows (`k3jax.bench --model` on the step mesh, its schema) into out["rows"]:
+    XLA ops and each kernel backend's per-op plan, batch-major, for each of --step-variants."""
+    from k3jax import bench
+
+    def on_row(result: dict) -> None:
+        out["rows"][:] = result["rows"]
+        out["meta"].update({k: result["meta"][k] for k in ("create_s", "copy_bandwidth", "n_devices", "config",
+                                                            "param_bytes") if k in result["meta"]})
+        save()
+
+    bench.bench_model(a.preset, a.step_backends, ["xla-ops", "per-op"], int_list(a.batches, "--batches"),
+                      [a.context], dtype=a.dtype, mesh=a.step_mesh,
+                      ep_variants=[v for v in a.step_variants.split(",") if v], steps=a.step_steps,
+                      warmup=a.warmup, deadline=deadline, on_row=on_row, progress=False)
 
 
 def summary(out: dict) -> str:

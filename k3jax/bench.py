@@ -317,15 +317,21 @@ def _is_oom(e: Exception) -> bool:
 def bench_model(preset: str, backends: list[str], granularities: list[str], batches: list[int],
                 contexts: list[int], *, expert_formats: list[str | None] = (None,), dtype: str = "bfloat16",
                 mesh: str | None = None, ep_variants: list[str] = ("auto",), steps: int = 32, warmup: int = 3,
-                seed: int = 0, on_row=None, log=print, progress: bool = True, command: str = "") -> dict:
+                seed: int = 0, deadline: float | None = None, on_row=None, log=print, progress: bool = True,
+                command: str = "") -> dict:
     """The whole-model sweep; returns {"meta": ..., "rows": [...]} (schema: docs/bench.md).
 
+    Points run batch-major (every backend at the first context and batch, then the next), so a
+    sweep cut short has compared the backends where it got. Past `deadline` (time.time() value)
+    no point starts: the rest are rows with status "skipped". Each row lists the kernels its plan
+    asked for and the calls that fell back to the reference (`fallbacks`: op/impl -> why).
     `on_row(result)` is called after every row (e.g. to save partial results).
     """
     from tqdm.auto import tqdm
 
     import k3jax
-    from k3jax import sharding
+    from k3jax import moe_parallel, sharding
+    from pallas_kernels import registry
     configs = sweep_configs(backends, granularities)
     dev = jax.devices()[0]
     rows: list[dict] = []
@@ -338,8 +344,9 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
                desc="bench", unit="pt", disable=not progress, file=sys.stderr)
     say = (lambda s: tqdm.write(s, file=sys.stderr)) if progress else log
 
-    def add(row: dict) -> None:
+    def add(row: dict, points: int = 1) -> None:
         rows.append(row)
+        bar.update(points)
         if row["status"] == "ok":
             say(f"{row['backend']}/{row['granularity']} batch {row['batch']} context {row['context']}: "
                 f"{row['step_s'] * 1e3:.2f} ms/step, {row['tokens_per_s']:.1f} tok/s, "
@@ -353,6 +360,7 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     for fmt in expert_formats:
         base = {"preset": os.path.basename(preset.rstrip("/")), "device": dev.device_kind, "expert_format": fmt,
                 "mesh": mesh}
+        t0 = time.time()
         try:
             model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
                                           **({"expert_format": fmt} if fmt else {}))
@@ -360,8 +368,8 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
             for variant in ep_variants:
                 for backend, gran in configs:
                     add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
-                         "context": None, "status": "skipped", "reason": f"model not built: {e}"})
-            bar.update(len(ep_variants) * len(configs) * len(batches) * len(contexts))
+                         "context": None, "status": "skipped", "reason": f"model not built: {e}"},
+                        len(batches) * len(contexts))
             continue
         cfg = model.cfg
         base["expert_format"] = cfg.expert_format
@@ -369,28 +377,39 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
         n_dev = model_mesh.size if model_mesh is not None else 1
         bw = costs.copy_bandwidth(dev)
         result["meta"].update(copy_bandwidth=bw, n_devices=n_dev, config=cfg.name)
+        result["meta"].setdefault("create_s", {})[cfg.expert_format] = time.time() - t0
         result["meta"].setdefault("param_bytes", {})[cfg.expert_format] = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
+        # Backends, granularities and dispatch variants that cannot run here: one row each, up front.
+        points = []
+        for variant in ep_variants:
+            head = {**base, "ep_variant": variant if model_mesh is not None else None}
+            why = moe_parallel.unavailable(variant) if model_mesh is not None else None
+            for backend, gran in configs:
+                plan = why or granularity_plan(backend, gran)
+                if isinstance(plan, str):
+                    add({**head, "backend": backend, "granularity": gran, "batch": None, "context": None,
+                         "status": "unavailable", "reason": plan}, len(batches) * len(contexts))
+                else:
+                    points.append(({**head, "backend": backend, "granularity": gran,
+                                    "kernels": {op: i for op, i in plan.describe().items() if i != "xla"}},
+                                   variant, plan))
         ctx = jax.set_mesh(model_mesh) if model_mesh is not None else contextlib.nullcontext()
         with ctx:
-            for variant in ep_variants:
-                if model_mesh is not None:
-                    sharding.set_ep_variant(model, variant)
-                for backend, gran in configs:
-                    head = {**base, "ep_variant": variant if model_mesh is not None else None,
-                            "backend": backend, "granularity": gran}
-                    plan = granularity_plan(backend, gran)
-                    if isinstance(plan, str):
-                        add({**head, "batch": None, "context": None, "status": "unavailable", "reason": plan})
-                        bar.update(len(batches) * len(contexts))
-                        continue
-                    model.plan = plan
-                    head["kernels"] = {op: impl for op, impl in plan.describe().items() if impl != "xla"}
-                    for context in contexts:
-                        for batch in batches:
-                            bar.set_postfix_str(f"{backend}/{gran} b{batch} c{context}")
-                            add(_bench_point(model, head, batch, context, steps, warmup, seed, bw * n_dev))
-                            bar.update()
+            for context in contexts:
+                for batch in batches:
+                    for head, variant, plan in points:
+                        if deadline is not None and time.time() > deadline:
+                            add({**head, "batch": batch, "context": context, "status": "skipped",
+                                 "reason": "time budget reached before this point"})
+                            continue
+                        if model_mesh is not None:
+                            sharding.set_ep_variant(model, variant)
+                        model.plan = plan
+                        bar.set_postfix_str(f"{head['backend']}/{head['granularity']} b{batch} c{context}")
+                        registry.clear_fallbacks()
+                        row = _bench_point(model, head, batch, context, steps, warmup, seed, bw * n_dev)
+                        add({**row, "fallbacks": registry.fallbacks()})
         del model
     bar.close()
     return finalize(result)
@@ -637,6 +656,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json)")
     p.add_argument("--update", default=None, help="--report: rewrite the results block of this Markdown file")
     p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="--model: start no new point after this many seconds (the rest: skipped rows)")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     command = "python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -671,8 +692,10 @@ def _main(a: argparse.Namespace, command: str) -> int:
         save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
         result = bench_model(a.preset, backends or list(BACKENDS), grans, batches, contexts,
                              expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
-                             dtype=a.dtype, mesh=a.mesh, ep_variants=known(a.ep_variants.split(","), ("auto", *VARIANTS), "--ep-variants"), steps=a.steps,
-                             warmup=a.warmup, on_row=save, progress=not a.no_progress, command=command)
+                             dtype=a.dtype, mesh=a.mesh,
+                             ep_variants=known(a.ep_variants.split(","), ("auto", *VARIANTS), "--ep-variants"),
+                             steps=a.steps, warmup=a.warmup, on_row=save, progress=not a.no_progress,
+                             command=command, deadline=None if a.budget_s is None else time.time() + a.budget_s)
         save(result)
         stem = out[:-5] if out.endswith(".json") else out
         table = model_table(result["rows"])

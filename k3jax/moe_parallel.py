@@ -86,6 +86,13 @@ def resolve_variant(variant: str, tokens_per_group: int, platform: str | None = 
     return "packed" if tokens_per_group <= ALLGATHER_MAX_TOKENS else "ragged"
 
 
+def unavailable(variant: str, platform: str | None = None) -> str | None:
+    """Why `variant` cannot run on `platform` (default: JAX's default backend); None if it can."""
+    if variant == "ragged" and (platform or jax.default_backend()) == "cpu":
+        return "ragged_all_to_all does not run on XLA:CPU"
+    return None
+
+
 def _expert_rows(rows, local_ids, valid, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
     """rows [R, M], local_ids [R], valid [R] bool -> per-row expert outputs [R, M], zero where not
     valid: `impl` (ops.moe_experts or a kernel with its contract) with k = 1, weight 1 on valid rows.

@@ -429,25 +429,14 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
-    Past MAX_TOKENS tokens: equal calls of at most MAX_TOKENS rows (padding rows repeat row 0's
-    experts with weight 0), each reading its own selected experts once."""
+    Past MAX_TOKENS tokens: equal calls of at most MAX_TOKENS rows (ops.map_token_chunks), each
+    reading its own selected experts once."""
     why = unsupported(z, ids, experts)
     if why is not None:
         return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
                                                              linear_beta=linear_beta, expert_chunk=expert_chunk)
-    n, k = ids.shape
-    act_kw = dict(act=act, beta=beta, linear_beta=linear_beta)
-    if n <= MAX_TOKENS:
-        return _moe_rows(z, ids, weights, experts, **act_kw)
-    calls = -(-n // MAX_TOKENS)
-    rows = -(-n // calls)
-    pad = calls * rows - n
-    z = jnp.pad(z, ((0, pad), (0, 0)))
-    ids = jnp.concatenate([ids, jnp.broadcast_to(ids[:1], (pad, k))])
-    weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    parts = [_moe_rows(z[c * rows:(c + 1) * rows], ids[c * rows:(c + 1) * rows], weights[c * rows:(c + 1) * rows],
-                       experts, **act_kw) for c in range(calls)]
-    return jnp.concatenate(parts)[:n]
+    return ops.map_token_chunks(lambda zc, ic, wc: _moe_rows(zc, ic, wc, experts, act=act, beta=beta,
+                                                             linear_beta=linear_beta), z, ids, weights, MAX_TOKENS)
 
 
 def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: float,

@@ -3,16 +3,17 @@
 # whole-model backend parity, whole-step timings.
 #
 #   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]
-#   phases: validate ops parity model bisect | torch kimi contexts
+#   phases: validate ops parity model large bisect | torch kimi contexts
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
 # `torch kimi contexts` (the phase limits below add up to under 600 s). `torch` times the PyTorch
 # reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
 # TORCH_PRESET (default kimi-linear-48b-h200), `kimi` times k3jax on that same preset, `contexts`
-# times PRESET at batch 1 with 8k and 32k cached tokens. `bisect` runs the parity per op, to attribute a parity
+# times PRESET at batch 1 with 8k and 32k cached tokens, `large` at batch 128 and 256 (Pallas first). `bisect` runs the parity per op, to attribute a parity
 # failure. Parity is judged against the router-ulp noise floor (k3jax.validate.router_nudged_plan).
 # Each phase has a time limit and writes its JSON / log under $OUT even when the limit cuts it
-# short (the tools save partial results). PRESET (default k3-h200), BATCHES (default 1,8) and
+# short (the tools save partial results); the model phases also pass bench's --budget-s, so they
+# end on their own with the points left recorded as skipped. PRESET (default k3-h200), BATCHES (default 1,8) and
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
 # OPS="moe_experts kda_decode") the ops of `validate` and `ops`. Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
@@ -49,7 +50,10 @@ for phase in "${phases[@]}"; do
                 --steps 64 --out "$OUT/bisect" ;;
     model)    run_phase model 330 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends xla,pallas,cute --granularities "$GRANULARITIES" --steps 16 \
-                --no-progress --out "$OUT/model.json" ;;
+                --budget-s 270 --no-progress --out "$OUT/model.json" ;;
+    large)    run_phase large 330 python -m k3jax.bench --model --preset "$PRESET" --batches 128,256 \
+                --contexts 1024 --backends pallas,xla --granularities xla-ops,per-op --steps 8 \
+                --budget-s 270 --no-progress --out "$OUT/large.json" ;;
     torch)    run_phase torch-ops 60 python benchmarks/torch_reference.py --ops --batches "$BATCHES" \
                 --out "$OUT/torch-ops.json"
               run_phase torch-model 180 python benchmarks/torch_reference.py --model --preset "$TORCH_PRESET" \
@@ -57,11 +61,11 @@ for phase in "${phases[@]}"; do
                 --out "$OUT/torch-model.json" ;;
     kimi)     run_phase kimi 110 python -m k3jax.bench --model --preset "$TORCH_PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
-                --no-progress --out "$OUT/kimi.json" ;;
+                --budget-s 80 --no-progress --out "$OUT/kimi.json" ;;
     contexts) run_phase contexts 110 python -m k3jax.bench --model --preset "$PRESET" --batches 1 \
                 --contexts 8192,32768 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
-                --no-progress --out "$OUT/contexts.json" ;;
-    *) echo "unknown phase $phase (validate ops parity model bisect torch kimi contexts)"; exit 2 ;;
+                --budget-s 80 --no-progress --out "$OUT/contexts.json" ;;
+    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts)"; exit 2 ;;
   esac
 done
 

@@ -75,6 +75,29 @@ def test_failures_become_rows(monkeypatch, tmp_path):
     assert res["rows"][0]["status"] == "skipped" and "model not built" in res["rows"][0]["reason"]
 
 
+def test_batch_major_order_and_time_budget(monkeypatch):
+    """Every backend at a batch before the next batch; past the deadline, skipped rows (no crash, no
+    silent gap); rows carry their fallbacks."""
+    import time
+    calls = []
+
+    def fake(model, batch, context, **kw):
+        calls.append((model.plan.describe()["linear"], batch))
+        if len(calls) == 3:
+            monkeypatch.setattr(time, "time", lambda: 1e12)        # the budget runs out here
+        return {"compile_s": 0.0, "steps": 1, "latency_s_median": 1.0, "latency_s_p90": 1.0, "step_s": 1.0,
+                "kernel_s": None, "top_kernels": []}
+    monkeypatch.setattr(bench, "time_decode_step", fake)
+    res = bench.bench_model("k3-tiny", ["xla", "pallas"], ["xla-ops", "per-op"], [1, 2, 4], [8],
+                            deadline=1e11, progress=False, log=lambda s: None)
+    assert calls == [("xla", 1), ("pallas", 1), ("xla", 2)]
+    st = [(r["backend"], r["batch"], r["status"]) for r in res["rows"]]
+    assert st == [("xla", 1, "ok"), ("pallas", 1, "ok"), ("xla", 2, "ok"), ("pallas", 2, "skipped"),
+                  ("xla", 4, "skipped"), ("pallas", 4, "skipped")]
+    assert res["rows"][-1]["reason"] == "time budget reached before this point"
+    assert all(isinstance(r["fallbacks"], dict) for r in res["rows"] if r["status"] == "ok")
+
+
 def test_granularity_plans():
     assert isinstance(bench.granularity_plan("xla", "per-op"), str)
     assert bench.granularity_plan("xla", "xla-ops").describe()["linear"] == "xla"

@@ -29,10 +29,10 @@ def test_multi_gpu_presets_split_under_110_gb(name, ep, layers):
     assert 90e9 < per_device < 110e9   # leaves >= ~30 GB of an H200 for state and temporaries
 
 
-def _sharded_from_pretrained(preset, *, mesh, dtype):
+def _sharded_from_pretrained(preset, *, mesh, dtype, seed=0):
     """Unsharded creation then a reshard: the same layout as from_pretrained(mesh=) in ~8 s instead
     of the ~40 s XLA:CPU takes to compile the sharded random constructor."""
-    model = _from_pretrained(preset, dtype=dtype)
+    model = _from_pretrained(preset, dtype=dtype, seed=seed)
     graphdef, state = nnx.split(model)
     mesh = sharding.make_mesh(mesh)
     return nnx.merge(graphdef, jax.device_put(state, sharding.param_shardings(state, mesh)))

@@ -124,6 +124,8 @@ def random_routing(key, n, k, e):
     ("bf16", 40, 4, jnp.float32),
     ("bf16", 24, 5, jnp.bfloat16),
     ("mxfp4", 24, 64, jnp.bfloat16),
+    ("mxfp4", 150, 7, jnp.float32),     # 3 token chunks of 50 (DENSE_DISPATCH_MAX_TOKENS = 64)
+    ("bf16", 129, 64, jnp.float32),     # 3 token chunks of 43
 ])
 def test_moe_experts_matches_per_token_loop(fmt, n, chunk, dtype):
     ew, dense = experts(fmt, 20, dtype=dtype)
@@ -137,11 +139,12 @@ def test_moe_experts_matches_per_token_loop(fmt, n, chunk, dtype):
     assert err < (2e-5 if dtype == jnp.float32 else 3e-2)
 
 
-@pytest.mark.parametrize("chunk", [1, 64])
-def test_moe_experts_all_tokens_on_one_expert(chunk):
+@pytest.mark.parametrize("chunk,n", [(1, 9), (64, 9), (64, 130)])
+def test_moe_experts_all_tokens_on_one_expert(chunk, n):
     ew, dense = experts("mxfp4", 30)
-    n = 9
-    ids = np.stack([np.full(n, 11), np.arange(n)], 1).astype(np.int32)   # slot 0 always expert 11
+    other = np.arange(n) % 15
+    other += other >= 11                                                   # any expert but 11
+    ids = np.stack([np.full(n, 11), other], 1).astype(np.int32)          # slot 0 always expert 11
     weights = np.abs(rand(31, n, 2)) + 0.1
     z = rand(32, n, 64)
     got = moe_experts(jnp.asarray(z), jnp.asarray(ids), jnp.asarray(weights), ew, expert_chunk=chunk, **ACT)
