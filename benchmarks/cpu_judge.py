@@ -3,8 +3,8 @@ reference run on XLA:CPU (exact float32, no excess precision), output by output.
 
     python benchmarks/cpu_judge.py --op kda_decode --case kimi_linear_b1 --case k3_b128 [--impl pallas]
 
-Prints, per output leaf, max |a - b| / max |judge| for kernel-vs-judge, reference-vs-judge and
-kernel-vs-reference. Used for BENCHMARKS.md's kda_decode diagnosis (session 4).
+Prints, per output leaf, max |a - b| / max |b| for kernel-vs-CPU, reference-vs-CPU and
+kernel-vs-reference (b the second of each pair). Used for BENCHMARKS.md's kda_decode diagnosis (session 4).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def judge(op: str, cases: list[str], impl: str) -> int:
         out = jax.jit(lambda *a: kernel(*a, **kw))(*inputs)
         ref = jax.jit(lambda *a: spec.reference(*a, **kw))(*inputs)
         with jax.default_device(cpu):
-            judge = jax.jit(lambda *a: spec.reference(*a, **kw))(*jax.device_put(inputs, cpu))
-        for i, (o, r, j) in enumerate(zip(*(jax.tree.leaves(x) for x in (out, ref, judge)), strict=True)):
+            on_cpu = jax.jit(lambda *a: spec.reference(*a, **kw))(*jax.device_put(inputs, cpu))
+        for i, (o, r, j) in enumerate(zip(*(jax.tree.leaves(x) for x in (out, ref, on_cpu)), strict=True)):
             err = registry.relative_max_error
             print(f"{op} {name:20s} output {i}  {impl}-vs-cpu {err(o, j):.3e}  "
                   f"reference-vs-cpu {err(r, j):.3e}  {impl}-vs-reference {err(o, r):.3e}")

@@ -167,7 +167,7 @@ def tagged_expert(rows, local_ids, valid, ex):
 def tagged_reference(z, ids, w, ex):
     """One device: what `tagged_expert` through any variant must give (same roundings)."""
     per_slot = (z[:, None, :].astype(jnp.float32) * (1 + ids[..., None] / 1024)).astype(z.dtype)
-    return moe_parallel._combine(per_slot, w, z.dtype)
+    return ops.combine_slots(per_slot, w, z.dtype)
 
 
 def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:

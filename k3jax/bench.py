@@ -227,9 +227,9 @@ def granularity_plan(backend: str, granularity: str):
 
 
 def sweep_configs(backends: list[str], granularities: list[str]) -> list[tuple[str, str]]:
-    """(backend, granularity) pairs that make sense: xla at xla-ops, kernel backends at the rest."""
-    out = [("xla", "xla-ops")] if "xla" in backends and "xla-ops" in granularities else []
-    return out + [(b, g) for b in backends if b != "xla" for g in granularities if g != "xla-ops"]
+    """(backend, granularity) pairs that make sense, in the order of `backends`: xla at xla-ops,
+    kernel backends at the rest."""
+    return [(b, g) for b in backends for g in granularities if (b == "xla") == (g == "xla-ops")]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "context", "dtype"))
@@ -360,6 +360,13 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     for fmt in expert_formats:
         base = {"preset": os.path.basename(preset.rstrip("/")), "device": dev.device_kind, "expert_format": fmt,
                 "mesh": mesh}
+        if deadline is not None and time.time() > deadline:
+            for variant in ep_variants:
+                for backend, gran in configs:
+                    add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
+                         "context": None, "status": "skipped", "reason": "time budget reached before this point"},
+                        len(batches) * len(contexts))
+            continue
         t0 = time.time()
         try:
             model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
@@ -382,7 +389,9 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
             x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
         # Backends, granularities and dispatch variants that cannot run here: one row each, up front.
         points = []
-        for variant in ep_variants:
+        if model_mesh is None and len(ep_variants) > 1:   # without a mesh there is no dispatch to vary
+            bar.update((len(ep_variants) - 1) * len(configs) * len(batches) * len(contexts))
+        for variant in ep_variants if model_mesh is not None else ep_variants[:1]:
             head = {**base, "ep_variant": variant if model_mesh is not None else None}
             why = moe_parallel.unavailable(variant) if model_mesh is not None else None
             for backend, gran in configs:
@@ -491,8 +500,9 @@ def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
     """Reads result files -> ({"rows": model rows, "devices": [...]}, [ops results, one per device]).
 
     A point measured more than once (same preset, formats, mesh, backend, granularity, batch,
-    context, device; or for ops the same device, op, case, backend) keeps its newest measurement:
-    the tables show the current code; BENCHMARKS.md keeps the history."""
+    context, device; or for ops the same device, op, case, backend) keeps its newest measurement,
+    and a point measured at all drops its failed attempts: the tables show the current code;
+    BENCHMARKS.md keeps the history."""
     model_rows, ops_rows, devices = [], {}, []
     for path in paths:
         with open(path) as f:
@@ -516,8 +526,10 @@ def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
             model_rows += _from_decode_sweep(data, os.path.splitext(os.path.basename(path))[0])
         else:
             log(f"{path}: not a k3jax.bench result (kind {kind!r}); skipped")
-    model_rows = _newest(model_rows, lambda r: (
-        _match_key(r), r.get("device"), r.get("backend"), r.get("granularity"), r.get("status") == "ok"))
+    point = lambda r: (_match_key(r), r.get("device"), r.get("backend"), r.get("granularity"))  # noqa: E731
+    model_rows = _newest(model_rows, lambda r: (*point(r), r.get("status") == "ok"))
+    measured = {point(r) for r in model_rows if r.get("status") == "ok"}
+    model_rows = [r for r in model_rows if r.get("status") == "ok" or point(r) not in measured]
     ops_results = [{"meta": res["meta"], "rows": _newest(res["rows"], lambda r: (r["op"], r["case"], r["backend"]))}
                    for res in ops_rows.values()]
     merged = finalize({"rows": model_rows})
@@ -551,7 +563,8 @@ def model_table(rows: list[dict]) -> str:
     skipped: dict[str, int] = {}
     for r in rows:
         if r.get("status") != "ok":
-            key = f"{r['preset']} {r['backend']} / {r['granularity']}: {r['status']}: {r.get('reason')}"
+            reason = str(r.get("reason")).splitlines()[0] if r.get("reason") else None
+            key = f"{r['preset']} {r['backend']} / {r['granularity']}: {r['status']}: {reason}"
             skipped[key] = skipped.get(key, 0) + 1
     if skipped:
         lines += ["", "Not run:"] + [f"- {k}" + (f" ({n} points)" if n > 1 else "") for k, n in skipped.items()]

@@ -74,8 +74,9 @@ class K3Model(nnx.Module):
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
         logits = self.lm_head(self.norm(h), plan).astype(jnp.float32)
-        # Pinned to the input's layout under a mesh: kernels (custom calls) leave their outputs'
-        # sharding to XLA, and a donated step must hand back the layout it was compiled for.
+        # Pinned to sharding.state_specs under a mesh (the layout generate and bench give the input
+        # state): kernels (custom calls) leave their outputs' sharding to XLA, and a donated step
+        # must hand back the layout it was compiled for.
         return logits, constrain_state(DecodeState(lengths=state.lengths + num_new, layers=tuple(new_states)))
 
     def _attn_res_stack(self, h: jax.Array, mixer) -> jax.Array:

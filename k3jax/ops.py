@@ -358,8 +358,8 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
 
 def map_token_chunks(fn, z: jax.Array, ids: jax.Array, weights: jax.Array, max_rows: int) -> jax.Array:
     """fn(z [R, M], ids [R, k], weights [R, k]) -> [R, M], over N tokens in equal chunks of at most
-    `max_rows` rows (one `lax.map` step each; padding rows repeat row 0's experts with weight 0,
-    so they add no expert and contribute nothing). Returns [N, M]."""
+    `max_rows` rows (one `lax.map` step each). Padding rows (fewer than a chunk, all in the last
+    one) repeat the last token's experts with weight 0: no extra expert, no contribution. Returns [N, M]."""
     n, k = ids.shape
     if n <= max_rows:
         return fn(z, ids, weights)
@@ -367,7 +367,7 @@ def map_token_chunks(fn, z: jax.Array, ids: jax.Array, weights: jax.Array, max_r
     rows = -(-n // calls)
     pad = calls * rows - n
     zc = jnp.pad(z, ((0, pad), (0, 0))).reshape(calls, rows, -1)
-    idc = jnp.concatenate([ids, jnp.broadcast_to(ids[:1], (pad, k))]).reshape(calls, rows, k)
+    idc = jnp.concatenate([ids, jnp.broadcast_to(ids[-1:], (pad, k))]).reshape(calls, rows, k)
     wc = jnp.pad(weights, ((0, pad), (0, 0))).reshape(calls, rows, k)
     return jax.lax.map(lambda a: fn(*a), (zc, idc, wc)).reshape(calls * rows, -1)[:n]
 
@@ -403,10 +403,10 @@ def _moe_token_chunk(z, ids, weights, experts: ExpertWeights, *, act: str, beta:
     def expert_dot(spec, x, w):
         if experts.is_mxfp4:   # x @ w.T as even + odd input columns: no nibble interleave
             even, odd = w
-            out = (jnp.einsum(spec, x[..., 0::2], even, preferred_element_type=f32)
-                   + jnp.einsum(spec, x[..., 1::2], odd, preferred_element_type=f32))
+            out = (jnp.einsum(spec, x[..., 0::2], even, preferred_element_type=f32, precision=EXACT)
+                   + jnp.einsum(spec, x[..., 1::2], odd, preferred_element_type=f32, precision=EXACT))
         else:
-            out = jnp.einsum(spec, x, w, preferred_element_type=f32)
+            out = jnp.einsum(spec, x, w, preferred_element_type=f32, precision=EXACT)
         return out.astype(z.dtype)
 
     def run_chunk(c):

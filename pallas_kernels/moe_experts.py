@@ -1,8 +1,8 @@
 """Routed experts at decode: y = sum_k w[n,k] * down(glu(gate(z), up(z))) of the selected experts.
 
-z [N, M] bf16 (calls of at most 64 tokens: MAX_TOKENS), ids/weights [N, k], experts either in the compressed-tensors MXFP4
-layout (packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see k3jax.mxfp4; W4A16) or
-bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
+z [N, M] bf16 (calls of at most MAX_TOKENS = 64 tokens), ids/weights [N, k], experts either in the
+compressed-tensors MXFP4 layout (packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see
+k3jax.mxfp4; W4A16) or bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
 dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected experts (static bound
 U = min(E, N*k), padded with E) run on every token, and a [U, N] coefficient matrix
 (ops.expert_dispatch) combines them - no sort, no scatter.

@@ -106,5 +106,26 @@ def test_granularity_plans():
     # pallas_kernels.gated_mlp makes the fused sub-layer granularity available.
     assert bench.granularity_plan("pallas", "fused-sublayer").describe()["gated_mlp"] == "pallas"
     assert bench.sweep_configs(["xla", "cute"], ["xla-ops", "per-op"]) == [("xla", "xla-ops"), ("cute", "per-op")]
+    assert bench.sweep_configs(["pallas", "xla"], ["xla-ops", "per-op"]) == [("pallas", "per-op"), ("xla", "xla-ops")]
     with pytest.raises(ValueError, match="unknown granularity"):
         bench.granularity_plan("xla", "warp")
+
+
+def test_report_drops_failed_attempts_of_measured_points(tmp_path):
+    """An error row and a later ok row of the same point: the table has the ok row and no 'Not run'
+    line for it; a reason over several lines is cut to its first line."""
+    head = {"preset": "p", "expert_format": "mxfp4", "mesh": None, "ep_variant": None, "backend": "pallas",
+            "granularity": "per-op", "batch": 8, "context": 1024}
+    ok = {**head, "status": "ok", "step_s": 0.01, "tokens_per_s": 800.0, "bytes_per_step": 1e9,
+          "roofline_fraction": 0.5, "latency_s_median": 0.011, "latency_s_p90": 0.012}
+    files = []
+    for i, rows in enumerate(([{**head, "status": "error", "reason": "ValueError: bad\nsecond line"},
+                               {**head, "batch": 1, "status": "error", "reason": "ValueError: x\ny"}], [ok])):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps({"meta": {"kind": "model", "device": "d", "date": f"2026-11-30 0{i}"},
+                                    "rows": rows}))
+        files.append(str(path))
+    merged, _ = bench.load_results(files, log=lambda s: None)
+    assert sorted((r["batch"], r["status"]) for r in merged["rows"]) == [(1, "error"), (8, "ok")]
+    table = bench.model_table(merged["rows"])
+    assert "ValueError: x" in table and "second line" not in table and "\ny" not in table

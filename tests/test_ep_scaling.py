@@ -61,3 +61,16 @@ def test_ep_benchmark_tiny_cpu_ep4(tmp_path, monkeypatch, capsys):
     # The file is a k3jax.bench model result: --report tables it.
     assert bench.main(["--report", str(out), "--plots", str(tmp_path / "p")]) == 0
     assert "xla / xla-ops" in capsys.readouterr().out
+
+
+def test_ep_benchmark_dispatch_only_cpu(tmp_path):
+    """--dispatch-only (identity experts against tagged_reference), no step phase."""
+    spec = importlib.util.spec_from_file_location("ep_bench", os.path.join(ROOT, "benchmarks", "expert_parallel.py"))
+    ep_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ep_bench)
+    out = tmp_path / "dispatch.json"
+    assert ep_bench.main(["--cpu-smoke", "--dispatch-only", "--ep", "2", "--batches", "1,3", "--variants",
+                          "a2a,allgather", "--step-mesh", "", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.load(open(out))["moe_layer"]
+    assert len(rows) == 4 and all(r["rel_err_vs_single_device"] < 1e-2 and r["dispatch_combine_us"] > 0
+                                  for r in rows), rows

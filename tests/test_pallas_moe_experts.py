@@ -17,7 +17,8 @@ from pallas_kernels import moe_experts as me
 SPEC = registry.spec("moe_experts")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
-CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "n69_", "fallback", "bf16_n1_", "bf16_n3_", "bf16_silu"))]
+CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "n69_", "fallback", "bf16_n1_", "bf16_n3_",
+                                                    "bf16_silu"))]
 
 
 def _prmt(a, b, sel):

@@ -154,3 +154,16 @@ def test_moe_experts_all_tokens_on_one_expert(chunk, n):
     got1 = moe_experts(jnp.asarray(z), jnp.asarray(only), jnp.ones((n, 1)), ew, expert_chunk=chunk, **ACT)
     want1 = ref.experts_loop(_Cfg, z.astype(np.float64), only, np.ones((n, 1)), *dense)
     assert np.max(np.abs(np.asarray(got1) - want1)) / np.max(np.abs(want1)) < 2e-5
+
+
+def test_map_token_chunks_pads_with_the_last_token():
+    """Equal chunks of at most max_rows; padding repeats the last token's experts (in the last
+    chunk already), so no chunk gathers an expert none of its tokens chose."""
+    n, k = 70, 2
+    ids = np.tile(np.array([[1, 2]], np.int32), (n, 1))
+    ids[0] = (98, 99)                                  # only token 0 (first chunk) chose 98/99
+    z = jnp.asarray(rand(40, n, 8), jnp.float32)
+    seen = ops.map_token_chunks(lambda zc, ic, wc: jnp.broadcast_to(ic.max().astype(zc.dtype), zc.shape),
+                                z, jnp.asarray(ids), jnp.ones((n, k)), max_rows=32)   # 3 chunks of 24
+    seen = np.asarray(seen)[:, 0]
+    assert (seen[:24] == 99).all() and (seen[24:] == 2).all()
