@@ -56,9 +56,9 @@ while it multiplies) and 32-64 tokens 2 stages in <= 96 KB; the down kernel (one
 stages in <= 96 KB up to 32 tokens (3 at 64). A 256-column step would leave one stage per program
 at the two-programs budget (or one program per SM); 128 also divides Kimi-Linear's M = 2304.
 
-More than MAX_TOKENS tokens run as several calls. Anything else (float32 experts, M or I not a multiple of the step: 512
-for MXFP4, 128 for bf16; non-bf16 z) runs the reference; `covers()` says which, and the first
-fallback per reason is logged.
+More than MAX_TOKENS tokens run as several calls. Anything else (float32 experts, M or I not a
+multiple of the step: 512 for MXFP4, 128 for bf16; non-bf16 z) runs the reference; `covers()` says
+which, and the first fallback per reason is logged.
 """
 
 from __future__ import annotations
