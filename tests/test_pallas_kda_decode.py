@@ -22,6 +22,9 @@ def test_kda_decode_matches_reference_interpret(case):
     assert r.passed, r
     if not case.name.startswith("fallback"):
         assert r.races is False
+    # o, conv window, state: each output's own error is in the report (validate's log and .md)
+    assert len(r.output_errors) == 3 and max(r.output_errors) <= 2 * r.tolerance
+    assert "(outputs " in validate._per_output(r)
 
 
 def test_kda_decode_outputs_and_coverage():
