@@ -105,13 +105,15 @@ def _per_output(r: CaseResult) -> str:
 
 
 def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] | None = None,
-        repeats: int = 2, log=print) -> list[CaseResult]:
+        repeats: int = 2, log=print, deadline: float | None = None) -> tuple[list[CaseResult], list[str]]:
+    """Every case of `ops` (default all) in `sizes` -> (results, "op/case" of the cases not started
+    because time.time() passed `deadline`)."""
     from pallas_kernels import registry
 
     on_gpu = jax.default_backend() == "gpu"
     sizes = sizes or ({"small", "k3"} if on_gpu else {"small"})
     specs = registry.specs()
-    results = []
+    results, not_run = [], []
     for op in ops or list(REFERENCES):
         if op not in REFERENCES:
             raise ValueError(f"unknown op {op!r}; choose from {', '.join(REFERENCES)}")
@@ -121,21 +123,27 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
             continue
         spec = specs[op]
         for case in spec.sweep(*sizes):
+            if deadline is not None and time.time() > deadline:
+                not_run.append(f"{op}/{case.name}")
+                continue
             r = check_case(spec, backend, fn, case, repeats=repeats)
             results.append(r)
             log(f"{op:14s} {case.name:28s} err {r.error:.2e} / tol {r.tolerance:.1e}  "
                 f"det {'yes' if r.deterministic else 'NO '}  races {r.races}  "
                 f"{'PASS' if r.passed else 'FAIL'} {r.note}{_per_output(r)}")
-    return results
+    if not_run:
+        log(f"time budget reached: {len(not_run)} cases not run")
+    return results, not_run
 
 
-def write_report(results: list[CaseResult], prefix: str, backend: str) -> None:
+def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: list[str] = ()) -> None:
     dev = jax.devices()[0]
     meta = {"backend": backend, "device": dev.device_kind, "platform": dev.platform,
             "mode": "compiled" if dev.platform == "gpu" else "Mosaic GPU interpret mode (race detection on)",
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows = [dict(dataclasses.asdict(r), passed=r.passed) for r in results]
-    atomic.write_text(prefix + ".json", json.dumps({"meta": meta, "results": rows}, indent=1))
+    atomic.write_text(prefix + ".json", json.dumps({"meta": meta, "results": rows, "not_run": list(not_run)},
+                                                   indent=1))
     lines = [f"# Kernel validation: backend {backend}", "",
              " | ".join(f"{k}: {v}" for k, v in meta.items()), "",
              "| op | case | shapes | max err (rel) | tol | deterministic | races | result |",
@@ -145,6 +153,8 @@ def write_report(results: list[CaseResult], prefix: str, backend: str) -> None:
                      f"{r.deterministic} | {r.races} | {'PASS' if r.passed else 'FAIL ' + r.note} |")
     n_fail = sum(not r.passed for r in results)
     lines += ["", f"{len(results) - n_fail}/{len(results)} cases passed."]
+    if not_run:
+        lines += ["", f"Not run (time budget): {', '.join(not_run)}."]
     atomic.write_text(prefix + ".md", "\n".join(lines) + "\n")
 
 
@@ -346,6 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default=None, help="comma list of small,k3 (default: small on CPU, both on GPU)")
     p.add_argument("--repeats", type=int, default=2, help="reruns for the determinism check")
     p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="per-op mode: start no case after this many seconds (the rest are listed as not run)")
     a = p.parse_args(argv)
     return run_cli("k3jax.validate", lambda: _main(a))
 
@@ -365,12 +377,14 @@ def _main(a: argparse.Namespace) -> int:
     sizes = set(a.sizes.split(",")) if a.sizes else None
     if sizes and sizes - {"small", "k3"}:
         raise ValueError(f"--sizes takes small and/or k3, got {a.sizes!r}")
-    results = run(a.backend, a.op, sizes, a.repeats)
-    if not results:
+    deadline = None if a.budget_s is None else time.time() + a.budget_s
+    results, not_run = run(a.backend, a.op, sizes, a.repeats, deadline=deadline)
+    if not results and not not_run:
         raise ValueError(f"no case to run for --backend {a.backend} --op {a.op} --sizes {a.sizes}")
-    write_report(results, a.out, a.backend)
+    write_report(results, a.out, a.backend, not_run)
     n_fail = sum(not r.passed for r in results)
-    print(f"{len(results) - n_fail}/{len(results)} passed; report: {a.out}.md")
+    print(f"{len(results) - n_fail}/{len(results)} passed" + (f", {len(not_run)} not run (time budget)" if not_run
+                                                              else "") + f"; report: {a.out}.md")
     return 1 if n_fail else 0
 
 

@@ -42,7 +42,8 @@ run_phase() {  # name, seconds, command...
 
 for phase in "${phases[@]}"; do
   case $phase in
-    validate) run_phase validate 120 python -m k3jax.validate --sizes k3 --repeats 1 "${op_flags[@]}" --out "$OUT/validate" ;;
+    validate) run_phase validate 150 python -m k3jax.validate --sizes k3 --repeats 1 "${op_flags[@]}" --budget-s 110 \
+                --out "$OUT/validate" ;;
     ops)      run_phase ops 120 python -m k3jax.bench --ops $OPS --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
     parity)   run_phase parity 210 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
                 --steps 64 --out "$OUT/parity" ;;

@@ -37,6 +37,11 @@ def test_validate_cli_writes_report(tmp_path):
     assert report["results"] and all(r["passed"] for r in report["results"])
     assert all(r["races"] is False for r in report["results"])
     assert "PASS" in open(prefix + ".md").read()
+    # --budget-s: cases past the budget are listed as not run, in the JSON and the Markdown
+    assert validate.main(["--op", "route", "--op", "linear", "--out", prefix, "--budget-s", "0"]) == 0
+    report = json.load(open(prefix + ".json"))
+    assert not report["results"] and report["not_run"] and report["not_run"][0].startswith("route/")
+    assert "Not run (time budget): route/" in open(prefix + ".md").read()
 
 
 def test_bench_ops_smoke(tmp_path):
