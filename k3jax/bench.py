@@ -309,6 +309,9 @@ def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup
     return out
 
 
+OVER_BUDGET = "time budget reached before this point"   # the reason of rows a --budget-s run skipped
+
+
 def _is_oom(e: Exception) -> bool:
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or isinstance(e, MemoryError)
@@ -357,26 +360,28 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
         if on_row:
             on_row(finalize(result))
 
+    def past_deadline() -> bool:
+        return deadline is not None and time.time() > deadline
+
+    def skip_format(base: dict, reason: str) -> None:
+        """One skipped row per variant and configuration of an expert format that does not run."""
+        for variant in ep_variants:
+            for backend, gran in configs:
+                add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
+                     "context": None, "status": "skipped", "reason": reason}, len(batches) * len(contexts))
+
     for fmt in expert_formats:
         base = {"preset": os.path.basename(preset.rstrip("/")), "device": dev.device_kind, "expert_format": fmt,
                 "mesh": mesh}
-        if deadline is not None and time.time() > deadline:
-            for variant in ep_variants:
-                for backend, gran in configs:
-                    add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
-                         "context": None, "status": "skipped", "reason": "time budget reached before this point"},
-                        len(batches) * len(contexts))
+        if past_deadline():
+            skip_format(base, OVER_BUDGET)
             continue
         t0 = time.time()
         try:
             model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
                                           **({"expert_format": fmt} if fmt else {}))
         except (MemoryError, ValueError) as e:
-            for variant in ep_variants:
-                for backend, gran in configs:
-                    add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
-                         "context": None, "status": "skipped", "reason": f"model not built: {e}"},
-                        len(batches) * len(contexts))
+            skip_format(base, f"model not built: {e}")
             continue
         cfg = model.cfg
         base["expert_format"] = cfg.expert_format
@@ -408,9 +413,9 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
             for context in contexts:
                 for batch in batches:
                     for head, variant, plan in points:
-                        if deadline is not None and time.time() > deadline:
+                        if past_deadline():
                             add({**head, "batch": batch, "context": context, "status": "skipped",
-                                 "reason": "time budget reached before this point"})
+                                 "reason": OVER_BUDGET})
                             continue
                         if model_mesh is not None:
                             sharding.set_ep_variant(model, variant)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
@@ -142,8 +141,7 @@ def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: 
             "mode": "compiled" if dev.platform == "gpu" else "Mosaic GPU interpret mode (race detection on)",
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows = [dict(dataclasses.asdict(r), passed=r.passed) for r in results]
-    atomic.write_text(prefix + ".json", json.dumps({"meta": meta, "results": rows, "not_run": list(not_run)},
-                                                   indent=1))
+    atomic.write_json(prefix + ".json", {"meta": meta, "results": rows, "not_run": list(not_run)})
     lines = [f"# Kernel validation: backend {backend}", "",
              " | ".join(f"{k}: {v}" for k, v in meta.items()), "",
              "| op | case | shapes | max err (rel) | tol | deterministic | races | result |",
