@@ -43,7 +43,7 @@ def _mix(cand: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) 
     # A TMA box spans at most 256 elements per dimension: D travels as [D / 128, 128].
     shape = (d // LANE, LANE)
 
-    def body(c_gmem, nw_gmem, q_gmem, o_gmem):
+    def attn_res_mix_kernel(c_gmem, nw_gmem, q_gmem, o_gmem):
         r = jax.lax.axis_index("r")
 
         @functools.partial(pl.run_scoped, c_smem=plgpu.SMEM((n, *shape), cand.dtype),
@@ -73,7 +73,7 @@ def _mix(cand: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float) 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((rows, *shape), cand.dtype), grid=(rows,), grid_names=("r",),
+        attn_res_mix_kernel, out_type=jax.ShapeDtypeStruct((rows, *shape), cand.dtype), grid=(rows,), grid_names=("r",),
         interpret=mgpu.interpret_params(),
     )(cand.reshape(n, rows, *shape), norm_weight.reshape(shape), query.reshape(shape)).reshape(rows, d)
 

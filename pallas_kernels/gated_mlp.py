@@ -77,7 +77,7 @@ def _gate_up(xp: jax.Array, w_gate: jax.Array, w_up: jax.Array, block_n: int, *,
     # step's retired (wgmma_wait(2)); with a single step nothing is refilled.
     delay = 1 if stages >= 2 else 0
 
-    def body(x_g, wg_g, wu_g, h_g):
+    def gated_mlp_kernel(x_g, wg_g, wu_g, h_g):
         oi, ni = jax.lax.axis_index("o"), jax.lax.axis_index("n")
         rows, cols = pl.ds(oi * bo, bo), pl.ds(ni * block_n, block_n)
 
@@ -103,7 +103,7 @@ def _gate_up(xp: jax.Array, w_gate: jax.Array, w_up: jax.Array, block_n: int, *,
         mgpu.store_tile(h, h_g.at[rows, cols])
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((inter, n_pad), jnp.bfloat16),
+        gated_mlp_kernel, out_type=jax.ShapeDtypeStruct((inter, n_pad), jnp.bfloat16),
         grid=(inter // bo, n_pad // block_n), grid_names=("o", "n"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(xp, w_gate, w_up)

@@ -80,7 +80,7 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
     # still read it); with a single step nothing is refilled.
     delay = 1 if stages >= 2 else 0
 
-    def body(x_gmem, w_gmem, o_gmem):
+    def linear_gemv(x_gmem, w_gmem, o_gmem):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         k_slice = pl.ds(si * k_per, k_per)
 
@@ -99,7 +99,7 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
         mgpu.store_tile(acc, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, out, n), jnp.float32),
+        linear_gemv, out_type=jax.ShapeDtypeStruct((splits, out, n), jnp.float32),
         grid=(out // BLOCK_OUT, splits), grid_names=("o", "s"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(xp, w)

@@ -82,7 +82,7 @@ def _partials(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
     swizzle = plgpu.SwizzleTransform(128)
     tf = (tiling, swizzle)
 
-    def body(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem):
+    def mla_decode_split(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem):
         si, bi = jax.lax.axis_index("s"), jax.lax.axis_index("b")
         gi, ci = jax.lax.axis_index("g"), jax.lax.axis_index("c")
         heads = pl.ds(gi * BLOCK_H, BLOCK_H)
@@ -152,7 +152,7 @@ def _partials(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
-        body,
+        mla_decode_split,
         out_type=(jax.ShapeDtypeStruct((splits, b, hp, c), f32), jax.ShapeDtypeStruct((splits, b, hp), f32),
                   jax.ShapeDtypeStruct((splits, b, hp), f32)),
         grid=(2, hp // BLOCK_H, b, splits), grid_names=("c", "g", "b", "s"),

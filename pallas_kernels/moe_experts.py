@@ -19,31 +19,38 @@ exactly once per call, padded expert slots read nothing:
     float32 wgmma accumulator, so the combine is fused. S splits the experts so the grid fills
     the 132 SMs; a small XLA epilogue sums the S float32 partials, transposes and casts.
 
-The decode (compiled path) works on whole 32-bit words, 8 codes at a time, with byte permutes:
-per half word, `prmt` looks up the low and high bytes of the bf16 magnitudes of 4 codes in two
-8-entry tables (derived from mxfp4.E2M1_VALUES), a third `prmt` picks the negative high byte by
-the code's sign bit, two more interleave the bytes into bf16 pairs, and one `fma.rn.bf16x2`
-applies the group's power-of-two scale (a normal bf16 2^(scale-127); exact, as E2M1 values have
-two significant bits) - about 2.75 instructions per weight instead of ~15 for elementwise float
-arithmetic. The bf16 pairs go straight into the register operand (A) of wgmma: no staging
-through shared memory. Each thread decodes the 16-byte groups its WGMMA register layout owns,
-which orders the contraction dimension differently from memory: within every 128 input columns,
-column 32q + 8k + 2b + n of the weights lands at position 32k + 8b + 2q + n (q: thread's column
-quad, k: word, b: byte, n: nibble). The activations (z, and h for the down kernel) are permuted
-the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB), which
-leaves the matrix product unchanged. In interpret mode (CPU) the interpreter cannot run inline
-PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize and
+The decode (compiled path) works on whole 32-bit words, 8 codes at a time, by bit placement:
+the bf16 bits (sign << 15) | (e1 e0 m << 6) of a code are its E2M1 value times 2^-126 (a bf16
+subnormal for e = 0, exactly as E2M1's own subnormals), so per pair of codes (c_a, c_a+4) one
+`and` isolates the two nibbles, two shifts move the signs (by 12 - 4a) and the magnitudes (by
+6 - 4a) into place, an or + and (one LOP3) merges them, and two `fma.rn.bf16x2` multiply by 2^126
+(exact) and by the group's power-of-two scale (a normal bf16 2^(scale-127); exact, as E2M1 values
+have two significant bits). That is 9 ALU-pipe ops per word when ptxas issues the shifts on the
+FMA pipe (IMAD.SHL; unverified: the device has no nvdisasm), against 18 for the earlier prmt
+table lookup, which was 8-10% slower on the H200 (below). The
+bf16 pairs go straight into the register operand (A) of wgmma: no staging through shared
+memory. Each thread decodes the 16-byte groups its WGMMA register layout owns, which orders the
+contraction dimension differently from memory: within every 128 input columns, column
+32q + 8k + a + 4n of the weights lands at position 32k + 8a + 2q + n (q: thread's column quad,
+k: word, a: pair, n: which code of the pair). The activations (z, and h for the down kernel) are
+permuted the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB),
+which leaves the matrix product unchanged. In interpret mode (CPU) the interpreter cannot run
+inline PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize and
 staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and the tests run a
 numpy model of it (with the register placement of `_decode_quad`) against mxfp4.dequantize +
-permute_k, bit for bit, for every code in every byte position and the scale codes in use.
-Stages: as many (2-4) as keep a program under ~110 KB of SMEM, so two programs share an SM and
-one decodes while the other waits on its wgmma / TMA (batch 1: gate/up 2 stages, down 4).
+permute_k, bit for bit, for every code in every position and the scale codes in use.
+Stages (`OCCUPANCY`): as many as keep three programs resident per SM, so one decodes while the
+others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens (more resident
+programs beat deeper pipelines here; measured below).
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
-H200 (2026-11-30, CUPTI, E=448): batch 1 148 us (44% of the 4.3 TB/s copy rate; the previous
-elementwise decode through SMEM took 836 us), batch 8 836 us (54%; was 5604 us). Still bound by
-decode issue rate and latency (one warpgroup per program, two programs per SM), not by HBM.
+H200 (2026-11-30, CUPTI, E=448; session 5, bit-placement decode): batch 1 138 us (47% of the
+4.3 TB/s copy rate; prmt decode 148 us, elementwise decode through SMEM 836 us), batch 8 761 us
+(59%; prmt 836, SMEM 5604), batch 32 3419 us (36%). At batch 1 gate/up takes 79 us (55% of its
+bytes' time), down 44 us (50%) and the XLA glue (dispatch sort, permutes, partial sum) ~15 us.
+Still below the copy rate with ALU work halved: two programs (8 warps) per SM leave the decode
+latency-bound rather than issue-bound.
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -87,8 +94,15 @@ KTILES = BLOCK_IN // BLOCK
 BF16_STEP = 128            # input columns per pipeline step for bf16 experts (SMEM: module doc)
 QUADS = BLOCK_IN // 128    # 128-column blocks per step: one 16-byte group per thread and row each
 MAX_TOKENS = 64
-SMEM_SHARE = 110 * 1024    # stages fitting this let two programs share an SM (latency hiding)
-SMEM_BUDGET = 220 * 1024   # of the H200's 227 KB per block
+SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
+# Programs per SM to aim for, most wanted first, each with the stage counts to try. The MXFP4
+# kernels are decode-latency bound: a third resident program (the register limit: 136 registers x
+# 128 threads) beats a second pipeline stage (measured on the H200, session 5: gate/up 1 stage +
+# down 2 stages at batch 1 / 8: 128 / 700 us, against 137 / 759 us for 2 + 4 stages at two
+# programs per SM, and 171 / 997 us for 3 + 4 stages at one). bf16 experts run at the copy rate
+# with two programs of 3-4 stages.
+OCCUPANCY = {True: ((3, (4, 3, 2, 1)), (2, (4, 3, 2, 1)), (1, (2, 1))),
+             False: ((2, (4, 3, 2)), (1, (2, 1)))}
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)      # one value per accumulator column
@@ -133,11 +147,11 @@ def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
 
 def permute_k(x: jax.Array) -> jax.Array:
     """x [..., D] (D a multiple of 128) -> its columns in the kernels' contraction order: within
-    each 128 columns, column 32q + 8k + 2b + n moves to 32k + 8b + 2q + n (see module doc)."""
+    each 128 columns, column 32q + 8k + a + 4n moves to 32k + 8a + 2q + n (see module doc)."""
     *lead, d = x.shape
     nl = len(lead)
-    y = x.reshape(*lead, d // 128, 4, 4, 4, 2)                       # (q, k, b, n)
-    return y.transpose(*range(nl + 1), nl + 2, nl + 3, nl + 1, nl + 4).reshape(*lead, d)
+    y = x.reshape(*lead, d // 128, 4, 4, 2, 4)                           # (q, k, n, a)
+    return y.transpose(*range(nl + 1), nl + 2, nl + 4, nl + 1, nl + 3).reshape(*lead, d)
 
 
 def _k_tiles(x: jax.Array) -> jax.Array:
@@ -148,40 +162,30 @@ def _k_tiles(x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ the word decode (PTX)
-def _byte_tables() -> tuple[int, int, int, int]:
-    """prmt tables: low / high bytes of the bf16 bits of the 8 E2M1 magnitudes, 4 per word."""
-    bits = np.asarray(mxfp4.E2M1_VALUES, jnp.bfloat16).view(np.uint16).astype(np.uint64)
-    word = lambda b: int(sum(int(v) << (8 * i) for i, v in enumerate(b)))
-    lo, hi = bits & 0xFF, bits >> 8
-    return word(lo[:4]), word(lo[4:]), word(hi[:4]), word(hi[4:])
+TWO_126 = 0x7E807E80       # bf16 2^126 in both halves
 
 
-LO_A, LO_B, HI_A, HI_B = _byte_tables()
+def _pair(src: str, a: int, out: str) -> tuple:
+    """Nibbles a and a + 4 of src (a in 0, 1) -> out: their E2M1 values times the scale, bf16x2."""
+    n, x, y, b, u = (f"{v}{out}" for v in "nxybu")
+    return (("and", n, src, 0x000F000F << 4 * a),       # the two codes alone
+            ("shl", x, n, 12 - 4 * a),                  # their signs to bits 15 / 31
+            ("shl", y, n, 6 - 4 * a),                   # their magnitudes (e1 e0 m) to bits 8..6 / 24..22
+            ("or", b, x, y),
+            ("and", b, b, 0x81C081C0),                  # bf16 bits of E2M1 * 2^-126 (subnormal if e = 0)
+            ("fma", u, b, "c126"),                      # exact: the E2M1 value
+            ("fma", out, u, "s"))
 
 
-def _half(m: str, sel: str, out0: str, out1: str) -> tuple:
-    """4 codes (nibbles of the low 16 bits of m, sign selector sel) -> 2 scaled bf16 pairs."""
-    return (("prmt", "lo", LO_A, LO_B, m),              # low bytes of the magnitudes
-            ("prmt", "hp", HI_A, HI_B, m),              # high bytes, positive
-            ("or", "hn", "hp", 0x80808080),             # ... negative (bf16 sign = bit 15)
-            ("prmt", "hi", "hp", "hn", sel),            # per code: positive or negative
-            ("prmt", "x0", "lo", "hi", 0x5140),         # (byte 0 lo nibble, hi nibble) as bf16x2
-            ("prmt", "x1", "lo", "hi", 0x7362),         # (byte 1 ...)
-            ("fma", out0, "x0", "s"), ("fma", out1, "x1", "s"))
-
-
-# One packed word "w" (bytes b0..b3, low nibble = even column) and the group's scale "s" (bf16
-# 2^(scale-127) in both halves) -> "p0".."p3": (even, odd) column bf16 pairs of bytes b0..b3.
+# One packed word "w" (codes c0..c7, c_i in bits 4i..4i+3) and the group's scale "s" (bf16
+# 2^(scale-127) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a scaled bf16 pair. The
+# sign and the magnitude bits of a code move by different shifts (12 and 6 bits), so a code's
+# nibble is isolated first; shifts can issue on the FMA pipe (IMAD.SHL), leaving 9 ALU ops per word.
 # Ops on .b32 values; ints are immediates. `decode_word_ptx` emits it, tests interpret it.
 DECODE_PROGRAM: tuple = (
-    ("and", "m", "w", 0x77777777),                      # magnitude indices
-    ("shr", "t", "w", 1),
-    ("and", "t", "t", 0x44444444),                      # sign bit -> prmt selector bit 2 ...
-    ("or", "sel", "t", 0x32103210),                     # ... of selector (i | 4 * sign_i)
-    ("shr", "mh", "m", 16),
-    ("shr", "selh", "sel", 16),
-    *_half("m", "sel", "p0", "p1"),
-    *_half("mh", "selh", "p2", "p3"),
+    ("mov", "c126", TWO_126),
+    ("shr", "w8", "w", 8),                              # codes 2, 3, 6, 7 to the places of 0, 1, 4, 5
+    *_pair("w", 0, "p0"), *_pair("w", 1, "p1"), *_pair("w8", 0, "p2"), *_pair("w8", 1, "p3"),
 )
 NEG_ZERO2 = 0x80008000     # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
 
@@ -194,7 +198,7 @@ def decode_word_ptx() -> str:
     lines = ["{", f".reg .b32 {', '.join(map(arg, regs))}, d_nz;", f"mov.b32 d_nz, 0x{NEG_ZERO2:08X};"]
     for op, dst, *src in DECODE_PROGRAM:
         args = ", ".join(arg(a) for a in (dst, *src))
-        lines.append({"and": "and.b32", "or": "or.b32", "shr": "shr.u32", "prmt": "prmt.b32",
+        lines.append({"and": "and.b32", "or": "or.b32", "shr": "shr.u32", "shl": "shl.b32", "mov": "mov.b32",
                       "fma": "fma.rn.bf16x2"}[op] + f" {args}" + (", d_nz;" if op == "fma" else ";"))
     return "\n\t".join(lines + ["}"])
 
@@ -205,7 +209,7 @@ def _decode_quad(w_s, s_s, quad: int):
 
     Thread (warp w, lane l) holds rows 16w + l//4 (+8) and, per K-tile, column pairs 8j + 2q
     (q = l % 4, j = 0..7); it reads the 16-byte group 4*quad + q of its rows (4 words, 32 codes,
-    one scale) and puts word k's byte b at j = 4(k%2) + b of K-tile 2*quad + k//2.
+    one scale) and puts word k's code pair a (codes a, a + 4) at j = 4(k%2) + a of K-tile 2*quad + k//2.
     """
     tile = plgpu.ShapeDtypeStruct((BLOCK, BLOCK), jnp.bfloat16, layout=WGMMA)
 
@@ -235,8 +239,8 @@ def _decode_quad(w_s, s_s, quad: int):
                 word = vector.extract(words, dynamic_position=[],
                                       static_position=ir.DenseI64ArrayAttr.get([k]))
                 pairs = mgpu_utils.inline_ptx(ptx, word, scale, result_types=[i32] * 4)
-                for b, p in enumerate(pairs):
-                    regs[k // 2][0, 4 * (k % 2) + b, 0, 0, r, 0, 0, 0, 0] = mgpu_utils.bitcast(p, pair_ty)
+                for a, p in enumerate(pairs):
+                    regs[k // 2][0, 4 * (k % 2) + a, 0, 0, r, 0, 0, 0, 0] = mgpu_utils.bitcast(p, pair_ty)
         return tuple(mgpu_fa.FragmentedArray(_registers=x, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
                      for x in regs)
 
@@ -271,15 +275,15 @@ def _mma(acc, w_s, x_s, stage_s) -> None:
 
 
 def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
-    """Pipeline stages: as many (<= 4) as let two programs share an SM, else as many as fit."""
+    """Pipeline stages: the most that fit the most-wanted programs per SM of OCCUPANCY[mxfp4]."""
     if mxfp4:   # + interpret mode's staging tile
         step, extra = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32), BLOCK * BLOCK * 2
     else:
         step, extra = matrices * BLOCK * BF16_STEP * 2, 0
     step += n_pad * _step(mxfp4) * 2                          # the activations' bf16 block
-    for budget, options in ((SMEM_SHARE, (4, 3, 2)), (SMEM_BUDGET, (2, 1))):
+    for programs, options in OCCUPANCY[mxfp4]:
         for stages in options:
-            if stages * step + extra <= budget:
+            if stages * step + extra <= SMEM_PER_SM // programs:
                 return stages
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 
@@ -320,7 +324,7 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
     stages = _stages(n_pad, 2, mx)
     staged = mx and mgpu.interpret_params() is not None
 
-    def body(zt_g, uniq_g, coef_g, *refs):
+    def moe_gate_up(zt_g, uniq_g, coef_g, *refs):
         *w_g, h_g = refs
         oi, ui = jax.lax.axis_index("o"), jax.lax.axis_index("u")
         eid = uniq_g[ui]
@@ -359,7 +363,7 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
         pl.run_scoped(scoped, plgpu.SMEM((BLOCK, n_pad), jnp.bfloat16))
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((u_n, inter, n_pad), jnp.bfloat16),
+        moe_gate_up, out_type=jax.ShapeDtypeStruct((u_n, inter, n_pad), jnp.bfloat16),
         grid=(inter // BLOCK, u_n), grid_names=("o", "u"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
     )(zt, uniq, coef, *gate, *up)
@@ -392,7 +396,7 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
     stages = _stages(n_pad, 1, mx)
     staged = mx and mgpu.interpret_params() is not None
 
-    def body(ht_g, uniq_g, *refs):
+    def moe_down(ht_g, uniq_g, *refs):
         *w_g, o_g = refs
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         rows = pl.ds(oi * BLOCK, BLOCK)
@@ -420,7 +424,7 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
         mgpu.store_tile(acc, o_g.at[si, rows])
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, m, n_pad), jnp.float32),
+        moe_down, out_type=jax.ShapeDtypeStruct((splits, m, n_pad), jnp.float32),
         grid=(m // BLOCK, splits), grid_names=("o", "s"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
     )(ht, uniq, *down)

@@ -50,7 +50,7 @@ def _select(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, s
     strided = plgpu.Layout.WG_STRIDED(shape, VEC)
     slots_layout = plgpu.Layout.WG_STRIDED((LANE,), VEC)
 
-    def body(l_gmem, b_gmem, ids_gmem, w_gmem):
+    def route_topk(l_gmem, b_gmem, ids_gmem, w_gmem):
         r = jax.lax.axis_index("r")
 
         @functools.partial(pl.run_scoped, l_smem=plgpu.SMEM(shape, f32), b_smem=plgpu.SMEM(shape, f32),
@@ -90,7 +90,7 @@ def _select(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, s
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
-        body, out_type=(jax.ShapeDtypeStruct((rows, LANE), jnp.int32), jax.ShapeDtypeStruct((rows, LANE), f32)),
+        route_topk, out_type=(jax.ShapeDtypeStruct((rows, LANE), jnp.int32), jax.ShapeDtypeStruct((rows, LANE), f32)),
         grid=(rows,), grid_names=("r",), interpret=mgpu.interpret_params(),
     )(logits, bias)
 
