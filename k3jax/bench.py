@@ -60,9 +60,9 @@ MAX_COPIES = 48
 TOP_KERNELS = 6
 
 
-def _kernel_times(launch, n: int) -> tuple[float, list[list]] | None:
-    """GPU kernel time per launch of `launch(0..n-1)` via CUPTI, in seconds: (total, the
-    TOP_KERNELS kernels with the most time as [[name, seconds], ...]); None without CUPTI."""
+def kernel_records(launch, n: int) -> list[tuple[str, float]] | None:
+    """Every GPU kernel launch that `launch(0..n-1)` causes, via CUPTI: [(kernel name, seconds), ...]
+    in CUPTI's record order; None without CUPTI (not a GPU) or when no kernel ran."""
     try:
         from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
         ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -75,11 +75,18 @@ def _kernel_times(launch, n: int) -> tuple[float, list[list]] | None:
         jax.block_until_ready([x for x in outs if not x.is_deleted()])
     finally:
         timings = ext._cupti_get_timings(True)
-    if not timings:
+    return [(name, ms * 1e-3) for name, ms in timings] or None
+
+
+def _kernel_times(launch, n: int) -> tuple[float, list[list]] | None:
+    """GPU kernel time per launch of `launch(0..n-1)` via CUPTI, in seconds: (total, the
+    TOP_KERNELS kernels with the most time as [[name, seconds], ...]); None without CUPTI."""
+    records = kernel_records(launch, n)
+    if records is None:
         return None
     by_name: dict[str, float] = {}
-    for name, ms in timings:
-        by_name[name] = by_name.get(name, 0.0) + ms * 1e-3 / n
+    for name, s in records:
+        by_name[name] = by_name.get(name, 0.0) + s / n
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return sum(by_name.values()), [[name[:120], s] for name, s in top]
 
@@ -248,6 +255,59 @@ def _random_state(cfg, batch: int, max_len: int, context: int, key, dtype):
     return sharding.constrain_state(state)
 
 
+def _max_len(context: int, steps: int) -> int:
+    """Cache positions a state needs for `steps` decode steps past `context` tokens."""
+    return context + steps + 1
+
+
+def compile_decode_step(model, batch: int, context: int, steps: int, seed: int = 0):
+    """`k3jax.generation._decode_step` (the step `generate` runs) compiled for `batch` sequences at
+    `lengths = context`, on a random state preallocated for `steps` steps past `context`.
+
+    Returns (compiled, advance, compile_s): `advance(_=None)` runs the next step (donating the
+    state, as `generate` does) and returns the token buffer [batch, steps + 1] int32.
+    Run it under the model's mesh when the model is sharded.
+    """
+    from flax import nnx
+
+    from k3jax import sharding
+    from k3jax.generation import SamplingParams, _decode_step
+    cfg = model.cfg
+    graphdef, params = nnx.split(model)
+    key = jax.random.key(seed)
+    state = _random_state(cfg, batch, _max_len(context, steps), context, key, model.dtype)
+    out = jax.random.randint(key, (batch, steps + 1), 0, cfg.vocab_size, jnp.int32)
+    done = jnp.zeros((batch,), bool)
+    mesh = sharding.model_mesh(model)
+    if mesh is not None:
+        out = jax.device_put(out, sharding.batch_sharding(mesh, out.shape))
+        done = jax.device_put(done, sharding.batch_sharding(mesh, done.shape))
+    stop_ids, pad_id = jnp.asarray([-1], jnp.int32), 0
+    t0 = time.perf_counter()
+    compiled = _decode_step.lower(graphdef, params, state, out, done, 0, key, stop_ids, pad_id,
+                                  sampling=SamplingParams()).compile()
+    compile_s = time.perf_counter() - t0
+    i = 0
+
+    def advance(_=None):
+        nonlocal state, out, done, i
+        state, out, done = compiled(params, state, out, done, i, key, stop_ids, pad_id)
+        i += 1
+        return out
+
+    return compiled, advance, compile_s
+
+
+def step_time(advance, steps: int) -> float:
+    """Seconds per step of `steps` calls of `advance` issued back to back with one sync at the end
+    (the rate `generate` decodes at)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = advance()
+    jax.block_until_ready(last)
+    return (time.perf_counter() - t0) / steps
+
+
 def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup: int = 3,
                      seed: int = 0) -> dict:
     """Times `k3jax.generation._decode_step` (the step `generate` runs) at `batch` x `context`.
@@ -258,36 +318,8 @@ def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup
     Run it under the model's mesh when the model is sharded.
     """
     import numpy as np
-    from flax import nnx
-
-    from k3jax import sharding
-    from k3jax.generation import SamplingParams, _decode_step
-    cfg = model.cfg
     on_gpu = jax.default_backend() == "gpu"
-    total = warmup + (3 if on_gpu else 2) * steps
-    max_len = context + total + 1
-    graphdef, params = nnx.split(model)
-    key = jax.random.key(seed)
-    state = _random_state(cfg, batch, max_len, context, key, model.dtype)
-    out = jax.random.randint(key, (batch, total + 1), 0, cfg.vocab_size, jnp.int32)
-    done = jnp.zeros((batch,), bool)
-    mesh = sharding.model_mesh(model)
-    if mesh is not None:
-        out = jax.device_put(out, sharding.batch_sharding(mesh, out.shape))
-        done = jax.device_put(done, sharding.batch_sharding(mesh, done.shape))
-    stop_ids, pad_id = jnp.asarray([-1], jnp.int32), 0
-    t0 = time.perf_counter()
-    step_fn = _decode_step.lower(graphdef, params, state, out, done, 0, key, stop_ids, pad_id,
-                                 sampling=SamplingParams()).compile()
-    compile_s = time.perf_counter() - t0
-    i = 0
-
-    def advance(_=None):
-        nonlocal state, out, done, i
-        state, out, done = step_fn(params, state, out, done, i, key, stop_ids, pad_id)
-        i += 1
-        return out
-
+    _, advance, compile_s = compile_decode_step(model, batch, context, warmup + (3 if on_gpu else 2) * steps, seed)
     for _ in range(warmup):
         jax.block_until_ready(advance())
     lat = []
@@ -295,11 +327,7 @@ def time_decode_step(model, batch: int, context: int, *, steps: int = 32, warmup
         t0 = time.perf_counter()
         jax.block_until_ready(advance())
         lat.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        advance()
-    jax.block_until_ready(out)
-    step_s = (time.perf_counter() - t0) / steps
+    step_s = step_time(advance, steps)
     timed = _kernel_times(advance, steps) if on_gpu else None
     out = {"compile_s": compile_s, "steps": steps, "latency_s_median": float(np.median(lat)),
            "latency_s_p90": float(np.percentile(lat, 90)), "step_s": step_s,
@@ -429,21 +457,29 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     return finalize(result)
 
 
-def _bench_point(model, head: dict, batch: int, context: int, steps: int, warmup: int, seed: int,
-                 bandwidth: float) -> dict:
-    """One row: time the step, or say why not (never raises for a device limit)."""
+def point_unfit(model, batch: int, context: int, steps: int) -> str | None:
+    """Why `model` cannot run `steps` decode steps of `batch` sequences past `context` tokens (a
+    context beyond max_position_embeddings, or a state that would not fit beside the weights), or None."""
     from k3jax import sharding
     from k3jax.weights import OutOfMemoryError, check_fits
-    cfg = model.cfg
-    row = {**head, "batch": batch, "context": context}
-    max_len = context + warmup + 3 * steps + 1
+    cfg, max_len = model.cfg, _max_len(context, steps)
     if max_len > cfg.max_position_embeddings:
-        return {**row, "status": "skipped",
-                "reason": f"context {context} exceeds max_position_embeddings {cfg.max_position_embeddings}"}
+        return f"context {context} exceeds max_position_embeddings {cfg.max_position_embeddings}"
     try:
         check_fits(cfg, model.dtype, mesh=sharding.model_mesh(model), batch=batch, max_len=max_len, params=False)
     except OutOfMemoryError as e:
-        return {**row, "status": "skipped", "reason": str(e)}
+        return str(e)
+    return None
+
+
+def _bench_point(model, head: dict, batch: int, context: int, steps: int, warmup: int, seed: int,
+                 bandwidth: float) -> dict:
+    """One row: time the step, or say why not (never raises for a device limit)."""
+    cfg = model.cfg
+    row = {**head, "batch": batch, "context": context}
+    why = point_unfit(model, batch, context, warmup + 3 * steps)
+    if why:
+        return {**row, "status": "skipped", "reason": why}
     try:
         t = time_decode_step(model, batch, context, steps=steps, warmup=warmup, seed=seed)
     except Exception as e:  # noqa: BLE001 - one failed point must not end the sweep

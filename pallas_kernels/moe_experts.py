@@ -45,12 +45,13 @@ programs beat deeper pipelines here; measured below).
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
-H200 (2026-11-30, CUPTI, E=448; session 5, bit-placement decode): batch 1 138 us (47% of the
-4.3 TB/s copy rate; prmt decode 148 us, elementwise decode through SMEM 836 us), batch 8 761 us
-(59%; prmt 836, SMEM 5604), batch 32 3419 us (36%). At batch 1 gate/up takes 79 us (55% of its
-bytes' time), down 44 us (50%) and the XLA glue (dispatch sort, permutes, partial sum) ~15 us.
-Still below the copy rate with ALU work halved: two programs (8 warps) per SM leave the decode
-latency-bound rather than issue-bound.
+H200 (2026-11-30, CUPTI, E=448; session 5: bit-placement decode, three programs per SM): batch 1
+127 us (51% of the 4.3 TB/s copy rate; 148 us with the prmt decode at two programs per SM, 836 us
+for the first elementwise decode through SMEM), batch 8 699 us (64.5%; 836, 5604), batch 32
+2715 us (45.6%; 3607). At batch 1 gate/up takes 76 us (57% of its bytes' time), down 37 us (59%),
+and the XLA glue (dispatch sort, permutes, partial sum) ~14 us. Halving the ALU work gained 8-10%,
+a third resident program another 7-8%, one program per SM loses 25%: the decode is latency-bound
+(few warps per SM), not issue- or HBM-bound.
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -252,10 +253,14 @@ def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
     x_s [8, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
     else an SMEM [64, 64] bf16 tile (interpret mode: mxfp4.dequantize, permuted, staged)."""
     if stage_s is None:
+        # A quad's wgmma overlaps the next quad's decode while the accumulators are small; from 32
+        # tokens the registers that overlap holds cost occupancy (H200, session 5: gate/up at batch
+        # 32 1744 -> 1506 us with the wait, batch 1 / 8 ~2% slower with it).
+        pending = 2 if acc.shape[1] < 32 else 0
         for quad in range(QUADS):
             for h, tile in enumerate(_decode_quad(w_s, s_s, quad)):
                 plgpu.wgmma(acc, tile, x_s.at[2 * quad + h].T)
-            plgpu.wgmma_wait(2)          # the previous quad's registers are free again
+            plgpu.wgmma_wait(pending)    # (2: the previous quad's registers are free again)
         return
     w = permute_k(mxfp4.dequantize(w_s[...], s_s[...]))
     for t in range(KTILES):
