@@ -4,16 +4,22 @@ Same contract as k3jax.ops.kda_decode: conv_state [B, K-1, 3P] and qkv [B, 3P] (
 [3P, K] f32, f, gate [B, P], beta_logit [B, H], a_log [H], dt_bias [P], o_norm [d], recurrent
 [B, H, d, d] f32 -> (o [B, P], new conv_state, new recurrent).
 
-Grid (B, H): one warpgroup per (sequence, head). The head's state S [d, d] float32 (64 KB at
-d = 128) is the step's dominant traffic, read once and written once: it travels GMEM -> SMEM by
-one TMA copy that is issued first, so its latency hides behind the per-channel work done
-meanwhile from the small inputs: the short conv + SiLU (ops.conv_taps, the reference's
-formula) of the head's q, k and v channels, L2 norms (ops.l2_normalize), the decay
-(ops.log_decay: K3's lower-bound gate or Kimi-Linear's softplus form) and beta.
-S then sits in registers in the wgmma layout (rows = key channels, 128 f32 per thread), where
-the delta rule is a few broadcasts and two column reductions; the read-out goes through the
-gated RMSNorm (ops.gated_rms_norm) and S back to GMEM by TMA. The shifted conv window is
-written by the same program (its 3 x d channels of every row).
+Grid (B, H, splits): `splits` programs (one warpgroup each) per (sequence, head), each owning
+d / splits value columns of the head's state S [d, d] float32 (64 KB at d = 128). The delta rule
+is independent per value column (rows = key channels): decay scales rows, pred[v] = k . S[:, v],
+S[:, v] += k beta (v[v] - pred[v]), o[v] = q . S[:, v]. S is the step's dominant traffic, read
+once and written once: each program's [d, d / splits] column slab travels GMEM -> SMEM by one
+2-D TMA copy that is issued first, so its latency hides behind the per-channel work done
+meanwhile from the small inputs, which every split does whole (cheap next to the slab): the
+short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k and v channels, L2
+norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
+softplus form) and beta. The slab then sits in registers in the wgmma layout (128 / splits
+f32 a thread at d = 128), where the delta rule is a few broadcasts and two column reductions; o
+is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA. The
+gated RMSNorm (ops.gated_rms_norm) needs the head's whole o: with one split it runs in the
+kernel; with more, the kernel writes the rounded o and the same call runs after it in XLA. The
+shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
+i % splits.
 
 Mosaic GPU lowers only broadcasts it can lay out (no [d] -> [d, 1] expand_dims), so the
 delta-rule step is spelled with explicit broadcasts here, operation for operation as in
@@ -21,9 +27,12 @@ ops.kda_recurrent_step; validation against that reference is the guard. With d n
 or for non-bf16 activations the reference runs (`unsupported()` says why; logged once).
 
 Roofline: 2 x B x H x d^2 x 4 bytes of state (B = 1, K3: 12.6 MB, ~2.9 us at 4.3 TB/s;
-Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. At B = 1 the grid has 96
-(K3) or 32 (Kimi-Linear) programs for 132 SMs, so the step is bounded by one program's TMA-in /
-compute / TMA-out latency; the grid fills the SMs from B = 2 (K3) or B = 5 (Kimi-Linear).
+Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. One program is a serial
+TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap them: with one
+split, batch 1 is 96 (K3) or 32 (Kimi-Linear) programs for 132 SMs, measured at 26% of the
+roofline (K3). `plan` takes the fewest splits giving >= 2 programs per SM (K3: 4 at batch 1,
+2 at batch 2, 1 from batch 3), at the price of the small inputs' work and reads repeated per
+split (L2 hits) and, with splits > 1, a separate XLA norm (B x P bf16 read back: < 1% of bytes).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -41,8 +51,20 @@ from pallas_kernels import mgpu, registry
 WGMMA = plgpu.Layout.WGMMA
 ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / columns (value)
 f32 = jnp.float32
-# float32 rows in 128-byte swizzled tiles: bank-conflict-free loads/stores in the wgmma layout.
-STATE_TILING = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
+
+
+def _state_tiling(cols: int):
+    """SMEM transforms of a float32 [d, cols] slab: rows in swizzled tiles of min(128, 4 cols) bytes
+    (128 at cols >= 32), so the wgmma-layout loads and stores are bank-conflict-free."""
+    row = min(128, 4 * cols)
+    return plgpu.TilingTransform((8, row // 4)), plgpu.SwizzleTransform(row)
+
+
+def plan(batch: int, heads: int, sms: int) -> int:
+    """Value-column splits per (sequence, head): the fewest of SPLITS giving >= 2 programs per SM
+    (two resident programs overlap one's state TMA with the other's compute), else the most."""
+    return next((s for s in SPLITS if batch * heads * s >= 2 * sms), SPLITS[-1])
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
@@ -60,22 +82,26 @@ def _bcast(x, shape, dim: int):
 
 
 def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-            *, num_heads: int, lower_bound: float, eps: float):
+            *, num_heads: int, lower_bound: float, eps: float, splits: int):
+    """-> (o [B, P] bf16: gated-normed if splits == 1, else rounded before the norm, new conv_state,
+    new recurrent)."""
     b_n, km1, c3 = conv_state.shape
     h_n, d = num_heads, recurrent.shape[-1]
     p = c3 // 3
     ksize = km1 + 1
+    w = d // splits         # value columns per program
     bf16 = qkv.dtype
 
-    def body(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, s_out_g):
-        b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    def kda_decode_step(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, s_out_g):
+        b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
+        cols = pl.ds(c * w, w)
 
         def vec(ref, layout):
             return plgpu.load(ref, layout=layout, optimized=False)
 
         def scoped(s_smem, o_smem, win_smem, v_smem, bar):
             # The state's read is the step's cost: start it before anything else.
-            plgpu.copy_gmem_to_smem(s_g.at[b, h], s_smem, bar)
+            plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
             def conv(part, layout):
                 ch = pl.ds(part * p + h * d, d)
@@ -85,10 +111,11 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
                     win_smem[part, j] = taps[j + 1].astype(bf16)
                 return ops.conv_taps(taps, [vec(cw_g.at[ch, j], layout) for j in range(ksize)])
 
+            # q, k, the decay and beta are per key channel (rows): every split computes them whole.
             q = ops.l2_normalize(conv(0, ROW)) * d ** -0.5
             k = ops.l2_normalize(conv(1, ROW))
             # conv_w's columns are strided, which only the row layout loads: v goes through SMEM
-            # to reach the column layout the update needs.
+            # to reach the column layout the update needs (and this program's columns of it).
             v_smem[...] = conv(2, ROW)
             heads = pl.ds(h * d, d)
             # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
@@ -97,49 +124,62 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             beta = jax.nn.sigmoid(bl_g[b, h].astype(f32))
 
             plgpu.commit_smem()
-            v = plgpu.load(v_smem, layout=COL)
+            v = plgpu.load(v_smem.at[cols], layout=COL)
             plgpu.barrier_wait(bar)
-            s = plgpu.load(s_smem, layout=WGMMA)                        # [d (key), d (value)] f32
+            s = plgpu.load(s_smem, layout=WGMMA)                        # [d (key), w (value)] f32
             # ops.kda_recurrent_step: decay, delta-rule rank-1 update, read-out with q.
             s = s * _bcast(jnp.exp(g), s.shape, 0)
             kk = _bcast(k, s.shape, 0)
             pred = jnp.sum(kk * s, axis=0)
             u = beta * (v - pred)
             s = s + kk * _bcast(u, s.shape, 1)
-            o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0)
+            o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0).astype(bf16)   # ops.kda_decode's rounding
             s_smem[...] = s
-            o_smem[...] = ops.gated_rms_norm(o.astype(bf16), vec(gate_g.at[b, heads], COL),
-                                             vec(on_g, COL), eps)
+            if splits == 1:     # the whole head's o is here: the gated norm fuses
+                o = ops.gated_rms_norm(o, vec(gate_g.at[b, heads], COL), vec(on_g, COL), eps)
+            o_smem[...] = o
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_smem, s_out_g.at[b, h])
-            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, heads])
+            plgpu.copy_smem_to_gmem(s_smem, s_out_g.at[b, h, :, cols])
+            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
+            # The window's three parts (q, k, v channels) go out once, spread over the splits.
             for part in range(3):
-                plgpu.copy_smem_to_gmem(win_smem.at[part], cs_out_g.at[b, :, pl.ds(part * p + h * d, d)])
+                @pl.when(c == part % splits)
+                def _(part=part):
+                    plgpu.copy_smem_to_gmem(win_smem.at[part], cs_out_g.at[b, :, pl.ds(part * p + h * d, d)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.run_scoped(scoped, plgpu.SMEM((d, d), f32, transforms=STATE_TILING), plgpu.SMEM((d,), bf16),
+        pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
                       plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((d,), f32), plgpu.Barrier())
 
     return plgpu.kernel(
-        body,
+        kda_decode_step,
         out_type=(jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                   jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
-        grid=(b_n, h_n), grid_names=("b", "h"),
+        grid=(b_n, h_n, splits), grid_names=("b", "h", "s"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu.interpret_params(),
     )(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent)
 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-               *, num_heads: int, lower_bound: float | None, eps: float):
-    """Same contract as k3jax.ops.kda_decode."""
+               *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None):
+    """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
+    value-column split, for ablations and benchmarks."""
+    if splits is not None and splits not in SPLITS:
+        raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     why = unsupported(conv_state, qkv, f, num_heads)
     if why is not None:
         return registry.fallback("kda_decode", "pallas", why)(
             conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
             num_heads=num_heads, lower_bound=lower_bound, eps=eps)
-    return _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                   num_heads=num_heads, lower_bound=lower_bound, eps=eps)
+    splits = splits or plan(qkv.shape[0], num_heads, mgpu.num_sms())
+    o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
+                         num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
+    if splits > 1:      # the norm needs the whole head's o, spread over `splits` programs
+        b, p = o.shape
+        o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,
+                               eps).reshape(b, p)
+    return o, conv, s
 
 
 registry.register("kda_decode", "pallas", kda_decode)
@@ -212,8 +252,9 @@ def compare(out, ref, args, kwargs) -> float:
     are 1.07e-2 off."""
     tol = [registry.TOLERANCE[jnp.dtype(r.dtype).name] for r in ref]     # o, conv window, state
     tol[0] *= 2
-    return max(registry.relative_max_error(o, r) / t * registry.TOLERANCE["bfloat16"]
-               for o, r, t in zip(out, ref, tol, strict=True))
+    # np.max, not max(): a NaN (an unwritten or non-finite output) must win, not be skipped.
+    return float(np.max([registry.relative_max_error(o, r) / t * registry.TOLERANCE["bfloat16"]
+                         for o, r, t in zip(out, ref, tol, strict=True)]))
 
 
 registry.register_spec(registry.OpSpec(

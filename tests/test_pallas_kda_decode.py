@@ -1,6 +1,9 @@
-"""The Pallas (Mosaic GPU) KDA decode-step kernel against k3jax.ops.kda_decode: CPU interpret mode
-with race detection and NaN-poisoned memory (all three outputs checked; both gate forms), CUDA
-lowering export of the K3 and Kimi-Linear-48B shapes on CPU, and the real kernel on a GPU."""
+"""The Pallas (Mosaic GPU) KDA decode-step kernel against k3jax.ops.kda_decode, for every
+value-column split it takes: CPU interpret mode with race detection and NaN-poisoned memory (all
+three outputs checked; both gate forms), CUDA lowering export of the K3 and Kimi-Linear-48B
+shapes on CPU, and the real kernel on a GPU."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +17,24 @@ from pallas_kernels import mgpu, registry
 SPEC = registry.spec("kda_decode")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
+# (case, splits): every split on the kernel's cases; the fallback case ignores splits.
+SMALL_SPLITS = [(c, s) for c in SMALL for s in ((None,) if c.name.startswith("fallback") else kd.SPLITS)]
 
 
-@pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
-def test_kda_decode_matches_reference_interpret(case):
-    r = validate.check_case(SPEC, "pallas", kd.kda_decode, case, seed=3, repeats=1)
+def _ids(param):
+    return f"{param[0].name}-s{param[1]}"
+
+
+@pytest.mark.parametrize("param", SMALL_SPLITS, ids=_ids)
+def test_kda_decode_matches_reference_interpret(param):
+    case, splits = param
+    fn = functools.partial(kd.kda_decode, splits=splits)
+    r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
     if not case.name.startswith("fallback"):
         assert r.races is False
     # o, conv window, state: each output's own error is in the report (validate's log and .md)
-    assert len(r.output_errors) == 3 and max(r.output_errors) <= 2 * r.tolerance
+    assert len(r.output_errors) == 3 and np.max(r.output_errors) <= 2 * r.tolerance    # NaN fails
     assert "(outputs " in validate._per_output(r)
 
 
@@ -37,24 +48,35 @@ def test_kda_decode_outputs_and_coverage():
     assert s.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(s)))
     assert "head dim" in kd.unsupported(args[0], args[1], jnp.zeros((1, 96)), 1)
     assert kd.unsupported(args[0], args[1], args[3], 2) is None
+    with pytest.raises(ValueError, match="splits=3"):
+        kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, splits=3)
 
 
-# K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads).
-@pytest.mark.parametrize("b,heads,lower_bound", [(1, kd.K3_HEADS, -5.0), (8, kd.K3_HEADS, -5.0),
-                                                 (128, kd.K3_HEADS, -5.0), (1, kd.KL_HEADS, None),
-                                                 (32, kd.KL_HEADS, None)])
-def test_kda_decode_cuda_export(b, heads, lower_bound):
-    args = jax.eval_shape(lambda: kd._make(b, heads, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
-    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5))
+def test_kda_decode_plan():
+    # K3 on the H200: the fewest splits giving >= 2 programs per SM, else the most.
+    assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 2, 1, 1, 1]
+    assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 9)] == [4, 4, 2, 1]
+
+
+# K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads), every split;
+# d = 64 at 4 splits is the one 64-byte (not 128-byte) swizzled slab.
+@pytest.mark.parametrize("splits", kd.SPLITS)
+@pytest.mark.parametrize("b,heads,d,lower_bound", [(1, kd.K3_HEADS, kd.K3_D, -5.0), (8, kd.K3_HEADS, kd.K3_D, -5.0),
+                                                   (128, kd.K3_HEADS, kd.K3_D, -5.0), (1, kd.KL_HEADS, kd.K3_D, None),
+                                                   (32, kd.KL_HEADS, kd.K3_D, None), (2, 4, 64, -5.0)])
+def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits):
+    args = jax.eval_shape(lambda: kd._make(b, heads, d, kd.K3_CONV)(jax.random.key(0)))
+    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5, splits=splits))
     with mgpu.compile_for_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", SMALL + K3, ids=lambda c: c.name)
-def test_kda_decode_gpu(case):
-    r = validate.check_case(SPEC, "pallas", kd.kda_decode, case, seed=5)
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s) for c in K3 for s in kd.SPLITS], ids=_ids)
+def test_kda_decode_gpu(param):
+    case, splits = param
+    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits), case, seed=5)
     assert r.passed, r
 
 
