@@ -30,9 +30,13 @@ Roofline: 2 x B x H x d^2 x 4 bytes of state (B = 1, K3: 12.6 MB, ~2.9 us at 4.3
 Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. One program is a serial
 TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap them: with one
 split, batch 1 is 96 (K3) or 32 (Kimi-Linear) programs for 132 SMs, measured at 26% of the
-roofline (K3). `plan` takes the fewest splits giving >= 2 programs per SM (K3: 4 at batch 1,
-2 at batch 2, 1 from batch 3), at the price of the small inputs' work and reads repeated per
-split (L2 hits) and, with splits > 1, a separate XLA norm (B x P bf16 read back: < 1% of bytes).
+roofline (K3). `plan` follows what the H200 measured (session 5, us for splits 1 / 2 / 4): with
+fewer (sequence, head) pairs than SMs, 4 splits fill them (Kimi-Linear b1 11.4 / 10.2 / 9.5; K3 b1
+12.5 / 13.3 / 12.6: one program's TMA-compute-TMA latency bounds it either way); from two pairs
+per SM, 2 splits, whose halved register slab lets more programs stay resident (K3 b8 54.4 / 51.5 /
+52.5, b32 203 / 175 / 184, b128 773 / 656 / 704; Kimi-Linear b32 70.5 / 65.2 / 67.0); in between,
+1 (Kimi-Linear b8 19.7 / 25.2 / 22.4). Splitting repeats the small inputs' work and reads (L2
+hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of bytes).
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ def _state_tiling(cols: int):
 
 
 def plan(batch: int, heads: int, sms: int) -> int:
-    """Value-column splits per (sequence, head): the fewest of SPLITS giving >= 2 programs per SM
-    (two resident programs overlap one's state TMA with the other's compute), else the most."""
-    return next((s for s in SPLITS if batch * heads * s >= 2 * sms), SPLITS[-1])
+    """Value-column splits per (sequence, head), as measured best on the H200 (module doc): 4 while
+    the (sequence, head) pairs are fewer than the SMs, 2 from two pairs per SM, else 1."""
+    pairs = batch * heads
+    return 4 if pairs < sms else 2 if pairs >= 2 * sms else 1
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:

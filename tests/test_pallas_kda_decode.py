@@ -53,9 +53,9 @@ def test_kda_decode_outputs_and_coverage():
 
 
 def test_kda_decode_plan():
-    # K3 on the H200: the fewest splits giving >= 2 programs per SM, else the most.
-    assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 2, 1, 1, 1]
-    assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 9)] == [4, 4, 2, 1]
+    # The H200 measurements (module doc): 4 below one (sequence, head) pair per SM, 2 from two, else 1.
+    assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 1, 2, 2, 2]
+    assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 9, 32)] == [4, 4, 1, 1, 2, 2]
 
 
 # K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads), every split;
