@@ -556,7 +556,8 @@ def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
         kind = meta.get("kind")
         if kind == "model":
             devices.append(meta.get("device"))
-            model_rows += [{"device": meta.get("device"), "date": meta.get("date", ""), **r} for r in data["rows"]]
+            model_rows += [{"device": meta.get("device"), "date": meta.get("date", ""), **r}
+                           for r in data.get("rows", [])]      # a layer-only expert-parallel run has none
         elif kind == "ops":
             mine = ops_rows.setdefault(meta.get("device"), {"meta": meta, "rows": []})
             if meta.get("date", "") >= mine["meta"].get("date", ""):
