@@ -30,10 +30,11 @@ Matching a CUPTI kernel name to HLO (`match` field):
 
 JSON (written atomically; `--out`, default benchmarks/results/profile-<preset>-<backend>-b<B>-c<C>-<date>.json):
   meta: kind "profile", preset, config, device, platform, jax, date, command, backend, granularity,
-        batch, context, steps, warmup, dtype, expert_format, mesh, ep_variant, kernels (op ->
-        implementation the plan asked for), fallbacks ("op/impl" -> why the reference ran instead),
-        timer ("cupti" or "wall")
-  step: compile_s, step_s (wall per step, back to back), kernel_s, gap_s, launches (per step),
+        batch, context, steps, warmup, dtype, expert_format, mesh, ep_variant, devices (the mesh's,
+        else 1), kernels (op -> implementation the plan asked for), fallbacks ("op/impl" -> why the
+        reference ran instead), timer ("cupti" or "wall")
+  step: compile_s, step_s (wall per step, back to back), kernel_s, gap_s, launches (per step, and
+        per device under a mesh: CUPTI sees all devices, so kernel numbers are averaged over them),
         kernel_names (distinct) -- the last four None without CUPTI
   kernels: [{name, launches_per_step, us_per_step, us_per_launch, share (of step_s), match,
              hlo: [instruction, ...]}, ...] sorted by us_per_step; [] without CUPTI
@@ -157,7 +158,8 @@ def _unquote(s: str) -> str:
 def parse_hlo(text: str) -> dict:
     """Reads compiled HLO text (`compiled.as_text()`) into
     {"instructions": {computation: [record, ...]}, "kernel_level": [records of the instructions that
-    launch kernels, in schedule order], "mosaic": {instruction name: [kernel module names]}}.
+    launch kernels, in schedule order], "custom_inner": [the custom calls and sorts inside kCustom
+    fusions, which launch as those fusions' kernels], "mosaic": {instruction name: [kernel module names]}}.
 
     A record: name, computation, opcode, kind, target, calls (computations), root (this
     instruction is its computation's ROOT), shape, operands, op_name, frames. Quoted strings
@@ -233,7 +235,11 @@ def parse_hlo(text: str) -> dict:
                 for callee in r["calls"]:
                     walk(callee)
     walk(entry)
-    return {"instructions": comps, "kernel_level": order, "mosaic": mosaic}
+    # A kCustom fusion runs its body's custom call or sort as its kernel (XLA wraps a Mosaic call
+    # with sliced operands, and sorts, this way); CUPTI names those after the inner instruction.
+    inner = [r for f in order if f["opcode"] == "fusion" and f["kind"] == "kCustom"
+             for c in f["calls"] for r in comps.get(c, []) if r["opcode"] in ("custom-call", "sort")]
+    return {"instructions": comps, "kernel_level": order, "custom_inner": inner, "mosaic": mosaic}
 
 
 def describe(parsed: dict, rec: dict) -> dict:
@@ -261,7 +267,7 @@ def inventory(parsed: dict) -> list[dict]:
 
 def match_kernel(parsed: dict, kernel: str) -> tuple[str, list[dict]]:
     """(match kind, instruction records) for a CUPTI kernel name; see the module doc."""
-    level = parsed["kernel_level"]
+    level = parsed["kernel_level"] + parsed["custom_inner"]
     key = kernel_key(kernel)
     exact = [r for r in level if kernel_key(r["name"]) == key]
     if exact:
@@ -310,8 +316,8 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
                  warmup: int = 3, dtype: str = "bfloat16", expert_format: str | None = None,
                  mesh: str | None = None, ep_variant: str = "auto", seed: int = 0, command: str = "") -> dict:
     """The profile of one decode step (schema: module doc). Raises ValueError for a point that
-    cannot run (no such granularity for the backend, context too long) and OutOfMemoryError for
-    one that does not fit."""
+    cannot run (no such granularity for the backend, a context too long, a state that does not fit).
+    Under a mesh CUPTI sees every device's kernels: the per-step numbers are averaged per device."""
     import k3jax
     from k3jax import moe_parallel, sharding
     from pallas_kernels import registry
@@ -328,7 +334,7 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
             raise ValueError(f"--ep-variant {ep_variant}: {why}")
         sharding.set_ep_variant(model, ep_variant)
     # Warm-up, the wall-clock steps and the CUPTI steps (None without CUPTI) advance one preallocated state.
-    total = warmup + 2 * steps
+    total = bench.steps_needed(warmup, steps, 2)
     why = bench.point_unfit(model, batch, context, total)
     if why:
         raise ValueError(why)
@@ -344,19 +350,21 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
     step = {"compile_s": compile_s, "step_s": step_s, "kernel_s": None, "gap_s": None, "launches": None,
             "kernel_names": None}
     kernels, sequence = [], []
+    devices = model_mesh.size if model_mesh is not None else 1
     if records:
-        kernel_s = sum(s for _, s in records) / steps
-        kernels = kernel_rows(records, steps, step_s, parsed)
-        step.update(kernel_s=kernel_s, gap_s=step_s - kernel_s, launches=len(records) / steps,
+        per = steps * devices       # records of every device: averaged per device and step
+        kernel_s = sum(s for _, s in records) / per
+        kernels = kernel_rows(records, per, step_s, parsed)
+        step.update(kernel_s=kernel_s, gap_s=step_s - kernel_s, launches=len(records) / per,
                     kernel_names=len(kernels))
-        sequence = [[name, s * 1e6] for name, s in records[:len(records) // steps]]
+        sequence = [[name, s * 1e6] for name, s in records[:len(records) // per]]
     cfg = model.cfg
     meta = {"kind": "profile", "preset": os.path.basename(preset.rstrip("/")), "config": cfg.name,
             "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, "backend": backend,
             "granularity": granularity, "batch": batch, "context": context, "steps": steps, "warmup": warmup,
             "dtype": dtype, "expert_format": cfg.expert_format, "mesh": mesh,
-            "ep_variant": ep_variant if model_mesh is not None else None,
+            "ep_variant": ep_variant if model_mesh is not None else None, "devices": devices,
             "kernels": {op: impl for op, impl in plan.describe().items() if impl != "xla"},
             "fallbacks": registry.fallbacks(), "timer": "cupti" if records else "wall"}
     return {"meta": meta, "step": step, "kernels": kernels, "sequence": sequence, "hlo": inventory(parsed)}

@@ -96,14 +96,14 @@ BF16_STEP = 128            # input columns per pipeline step for bf16 experts (S
 QUADS = BLOCK_IN // 128    # 128-column blocks per step: one 16-byte group per thread and row each
 MAX_TOKENS = 64
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
-# Programs per SM to aim for, most wanted first, each with the stage counts to try. The MXFP4
+# SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
 # kernels are decode-latency bound: a third resident program (the register limit: 136 registers x
 # 128 threads) beats a second pipeline stage (measured on the H200, session 5: gate/up 1 stage +
 # down 2 stages at batch 1 / 8: 128 / 700 us, against 137 / 759 us for 2 + 4 stages at two
 # programs per SM, and 171 / 997 us for 3 + 4 stages at one). bf16 experts run at the copy rate
-# with two programs of 3-4 stages.
-OCCUPANCY = {True: ((3, (4, 3, 2, 1)), (2, (4, 3, 2, 1)), (1, (2, 1))),
-             False: ((2, (4, 3, 2)), (1, (2, 1)))}
+# with two programs of 2-4 stages (budgets as measured in session 4).
+OCCUPANCY = {True: ((SMEM_PER_SM // 3, (4, 3, 2, 1)), (SMEM_PER_SM // 2, (4, 3, 2, 1)), (220 * 1024, (2, 1))),
+             False: ((110 * 1024, (4, 3, 2)), (220 * 1024, (2, 1)))}
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)      # one value per accumulator column
@@ -280,15 +280,17 @@ def _mma(acc, w_s, x_s, stage_s) -> None:
 
 
 def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
-    """Pipeline stages: the most that fit the most-wanted programs per SM of OCCUPANCY[mxfp4]."""
+    """Pipeline stages: the most that fit the first budget of OCCUPANCY[mxfp4] any option fits.
+    MXFP4 charges interpret mode's 8 KB staging tile in both modes (compiled, it is the margin for
+    the epilogue tile and barriers)."""
     if mxfp4:   # + interpret mode's staging tile
         step, extra = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32), BLOCK * BLOCK * 2
     else:
         step, extra = matrices * BLOCK * BF16_STEP * 2, 0
     step += n_pad * _step(mxfp4) * 2                          # the activations' bf16 block
-    for programs, options in OCCUPANCY[mxfp4]:
+    for budget, options in OCCUPANCY[mxfp4]:
         for stages in options:
-            if stages * step + extra <= SMEM_PER_SM // programs:
+            if stages * step + extra <= budget:
                 return stages
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 

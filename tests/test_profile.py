@@ -11,8 +11,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 # A GPU-like compiled step: a reduction fusion with old-style source metadata, a Mosaic GPU custom
 # call whose kernel module (a quoted string) holds braces, quotes and a fake metadata attribute, a
-# Mosaic GPU call known only by its op_name scope, a cuBLAS call, a while loop whose body launches a
-# fusion, and a fusion body and reducer (no kernels).
+# Mosaic GPU call known only by its op_name scope, a kCustom fusion wrapping a Mosaic call and a sort
+# (each launched under the inner instruction's name), a cuBLAS call, a while loop whose body launches
+# a fusion, and a fusion body and reducer (no kernels).
 HLO = r'''HloModule jit__decode_step, is_scheduled=true, entry_computation_layout={(bf16[64,32]{1,0})->f32[1,64]{1,0}}
 
 FileNames
@@ -47,6 +48,15 @@ StackFrames
   ROOT %tuple.3 = (f32[1,64]{1,0}, f32[1]{0}) tuple(%dot.1, %reduce.2)
 }
 
+%fused_slice_call (param_0.5: bf16[64,32]) -> (bf16[64], s32[64]) {
+  %param_0.5 = bf16[64,32]{1,0} parameter(0)
+  %slice.5 = bf16[64]{0} slice(%param_0.5), slice={[0:64], [0:1]}
+  %custom-call.12 = bf16[64]{0} custom-call(%slice.5), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode_step)/jit(run)/kda_decode_step/pallas_call" stack_frame_id=1}, backend_config={kernel_hash="\004", module="kda_decode_step_mosaic_gpu"}
+  %iota.5 = s32[64]{0} iota(), iota_dimension=0
+  %sort.155 = s32[64]{0} sort(%iota.5), dimensions={0}, to_apply=%add_region
+  ROOT %tuple.5 = (bf16[64]{0}, s32[64]{0}) tuple(%custom-call.12, %sort.155)
+}
+
 %fused_add (param_0.9: s32[]) -> s32[] {
   %param_0.9 = s32[] parameter(0)
   %one = s32[] constant(1)
@@ -70,6 +80,7 @@ ENTRY %main.9 (p0: bf16[64,32], p1: bf16[1,32]) -> f32[1,64] {
   %input_reduce_fusion.56 = (f32[1,64]{1,0}, f32[1]{0}) fusion(bf16[64,32]{1,0} %p0, /*index=1*/bf16[1,32]{1,0} %p1), kind=kInput, calls=%fused_computation.56, metadata={op_name="jit(_decode_step)/jit(main)/dot_general" source_file="/repo/k3jax/ops.py" source_line=123}
   %custom-call.7 = bf16[1,64]{1,0} custom-call(%p1, %p0), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(_decode_step)/pallas_call" stack_frame_id=2}, backend_config={kernel_hash="\001\002", module="ML\357R\000linear_gemv_mosaic_gpu\000{x} \"q\" metadata={op_name=\"fake\"}"}
   %custom-call.8 = bf16[1,8]{1,0} custom-call(%p1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(_decode_step)/jit(run)/route_topk/pallas_call"}, backend_config={kernel_hash="\003"}
+  %dynamic_slice_fusion = (bf16[64]{0}, s32[64]{0}) fusion(%p0), kind=kCustom, calls=%fused_slice_call
   %cublas-gemm.1 = (bf16[1,64]{1,0}, s8[4]{0}) custom-call(%p1, %p0), custom_call_target="__cublas$gemm", metadata={op_name="jit(_decode_step)/dot_general"}
   %zero = s32[] constant(0)
   %while.1 = s32[] while(%zero), condition=%cond.1, body=%body.1
@@ -82,7 +93,8 @@ def test_parse_and_match_fixed_hlo():
     parsed = profile.parse_hlo(HLO)
     assert {r["computation"] for r in parsed["kernel_level"]} == {"main.9", "body.1", "cond.1"}
     inv = {r["name"]: r for r in profile.inventory(parsed)}   # schedule order: the loop body at its while
-    assert list(inv) == ["input_reduce_fusion.56", "custom-call.7", "custom-call.8", "cublas-gemm.1", "loop_add_fusion"]
+    assert list(inv) == ["input_reduce_fusion.56", "custom-call.7", "custom-call.8", "dynamic_slice_fusion",
+                         "cublas-gemm.1", "loop_add_fusion"]
     fusion = inv["input_reduce_fusion.56"]
     assert fusion["op_name"] == "jit(_decode_step)/jit(main)/dot_general"
     assert fusion["frames"] == ["/repo/k3jax/ops.py:123"]
@@ -103,6 +115,11 @@ def test_parse_and_match_fixed_hlo():
     assert match("nvjet_tst_64x8_64x16") == ("library", ["cublas-gemm.1"])
     assert match("loop_add_fusion") == ("exact", ["loop_add_fusion"])
     assert match("dot_1") == ("unmatched", [])      # inside a fusion body: no kernel of its own
+    # A kCustom fusion launches its inner Mosaic call / sort, named after the inner instruction.
+    assert match("kda_decode_step_mosaic_gpu_kernel") == ("mosaic", ["custom-call.12"])
+    assert match("sort_155_1") == ("prefix", ["sort.155"])
+    assert profile.match_kernel(parsed, "kda_decode_step_mosaic_gpu_kernel")[1][0]["frames"] == [
+        "/repo/k3jax/layers.py:40 Linear.__call__"]
 
 
 def test_cli_cpu_inventory_and_faked_cupti(tmp_path, monkeypatch, capsys):
