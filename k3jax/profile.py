@@ -42,7 +42,8 @@ JSON (written atomically; `--out`, default benchmarks/results/profile-<preset>-<
   hlo: [instruction, ...] the step's fusions and custom calls, in schedule order
   instruction: {name, computation, opcode, kind, target (custom_call_target), root, contains,
                 shape, operands (shapes), op_name, frames ["path:line function", ...]}
-A Markdown table (kernels by time; on CPU the HLO inventory) is written beside the JSON (.md) and printed.
+A Markdown table (time by op, then kernels by time; on CPU the HLO inventory) is written beside the JSON
+(.md) and printed; with CUPTI numbers, a bar chart of the step's time by op and the gap (.png).
 """
 
 from __future__ import annotations
@@ -405,6 +406,70 @@ def _site(rec: dict) -> list[str]:
             _cell(shapes[:160])]
 
 
+def op_label(kernel: dict) -> str:
+    """The op a kernel row belongs to: a Pallas kernel's own name, else '<file> <function>' of the
+    innermost project frame of its HLO sites (e.g. 'ops.py linear'), else the kernel name."""
+    name = kernel["name"]
+    if "_mosaic_gpu" in name:
+        return name[:name.index("_mosaic_gpu")]
+    for site in kernel["hlo"]:
+        for frame in site["frames"]:
+            path, _, rest = _short_frame(frame).partition(":")
+            if path.startswith(("k3jax", "pallas_kernels", "cute_bridge")):
+                return f"{os.path.basename(path)} {rest.partition(' ')[2]}".strip()
+    return name[:48]
+
+
+def by_op(result: dict) -> list[dict]:
+    """Kernel time per op (`op_label`), most first: [{op, us_per_step, launches_per_step, kernels}]."""
+    ops: dict[str, dict] = {}
+    for k in result["kernels"]:
+        o = ops.setdefault(op_label(k), {"op": op_label(k), "us_per_step": 0.0, "launches_per_step": 0.0,
+                                         "kernels": 0})
+        o["us_per_step"] += k["us_per_step"]
+        o["launches_per_step"] += k["launches_per_step"]
+        o["kernels"] += 1
+    return sorted(ops.values(), key=lambda o: -o["us_per_step"])
+
+
+PLOT_OPS = 14     # bars in the plot; the rest are summed as "other"
+
+
+def write_plot(result: dict, path: str, log=print) -> str | None:
+    """A bar chart of the step's time by op (`by_op`) plus the gap, as PNG at `path` (atomically);
+    None without CUPTI numbers or without matplotlib."""
+    st = result["step"]
+    if st["kernel_s"] is None:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plot skipped: matplotlib is not installed (pip install -e .[notebooks])")
+        return None
+    ops = by_op(result)
+    bars = [(o["op"], o["us_per_step"], o["launches_per_step"]) for o in ops[:PLOT_OPS]]
+    if len(ops) > PLOT_OPS:
+        rest = ops[PLOT_OPS:]
+        bars.append((f"other ({len(rest)} ops)", sum(o["us_per_step"] for o in rest),
+                     sum(o["launches_per_step"] for o in rest)))
+    bars.append(("gap (between kernels)", max(st["gap_s"], 0.0) * 1e6, 0))
+    m = result["meta"]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(bars) + 1.4))
+    ax.barh(range(len(bars)), [b[1] for b in bars], color=["tab:blue"] * (len(bars) - 1) + ["tab:gray"])
+    ax.set_yticks(range(len(bars)), [f"{b[0]} ({b[2]:g} launches)" if b[2] else b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("us per step")
+    ax.set_title(f"{m['preset']}, {m['backend']} / {m['granularity']}, batch {m['batch']}, context {m['context']}: "
+                 f"{st['step_s'] * 1e3:.2f} ms/step ({m['device']})", fontsize=9)
+    fig.tight_layout()
+    with atomic.atomic_path(path, suffix=".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
 def markdown(result: dict) -> str:
     """The kernels by time (GPU) or the HLO inventory (no CUPTI), under a header line of step totals."""
     m, st = result["meta"], result["step"]
@@ -416,6 +481,9 @@ def markdown(result: dict) -> str:
                      f"{st['gap_s'] * 1e3:.3f} ms ({st['gap_s'] / st['step_s']:.0%}, "
                      f"{st['gap_s'] / st['launches'] * 1e6:.2f} us per launch); {st['launches']:.0f} launches/step "
                      f"of {st['kernel_names']} kernels")
+        lines += ["", "| op | us/step | % step | launches/step | kernels |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {_cell(o['op'])} | {o['us_per_step']:.1f} | {o['us_per_step'] * 1e-6 / st['step_s']:.1%} | "
+                  f"{o['launches_per_step']:g} | {o['kernels']} |" for o in by_op(result)[:PLOT_OPS]]
         lines += ["", "| kernel | launches/step | us/step | us/launch | % step | match | HLO op | source "
                       "| what | shapes |", "| --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
         for k in result["kernels"][:MAX_ROWS]:
@@ -480,9 +548,11 @@ def _main(a: argparse.Namespace, command: str) -> int:
                     f"{time.strftime('%Y%m%d-%H%M%S')}.json")
     atomic.write_json(out, result)
     table = markdown(result)
-    atomic.write_text((out[:-5] if out.endswith(".json") else out) + ".md", table + "\n")
+    stem = out[:-5] if out.endswith(".json") else out
+    atomic.write_text(stem + ".md", table + "\n")
     print(table)
-    print(f"results: {out}")
+    plot = write_plot(result, stem + ".png")
+    print(f"results: {out}" + (f", {plot}" if plot else ""))
     return 0
 
 

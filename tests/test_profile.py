@@ -153,7 +153,11 @@ def test_cli_cpu_inventory_and_faked_cupti(tmp_path, monkeypatch, capsys):
     assert k0["us_per_step"] == pytest.approx(50) and k0["us_per_launch"] == pytest.approx(25)
     assert k0["share"] == pytest.approx(50e-6 / st["step_s"]) and k0["hlo"][0]["name"] == fusions[0]["name"]
     assert k1["match"] == "unmatched"      # no cuBLAS call in a CPU step
-    assert "| kernel | launches/step |" in open(str(out)[:-5] + ".md").read()
+    md = open(str(out)[:-5] + ".md").read()
+    assert "| kernel | launches/step |" in md and "| op | us/step |" in md
+    ops = profile.by_op(res)
+    assert sum(o["us_per_step"] for o in ops) == pytest.approx(60) and ops[0]["op"] != name   # named by source
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("args, message", [
