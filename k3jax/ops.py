@@ -351,7 +351,14 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     which sorts last and matches no token; coef [size, N] float32: the routing weight where token n
     chose expert uniq[u], else 0).
     """
-    uniq = jnp.unique(ids.reshape(-1), size=size, fill_value=num_experts)
+    # A presence mask and one top_k (keys E - id: ascending ids first, absent experts key 0) give
+    # jnp.unique's result in fewer XLA kernels (9 fusions against 21 on XLA:CPU): at decode this
+    # glue runs once per MoE layer, and its launches are a measurable part of a small-model step.
+    present = jnp.zeros((num_experts + 1,), bool).at[ids.reshape(-1)].set(True)[:num_experts]
+    keys, _ = jax.lax.top_k(jnp.where(present, num_experts - jnp.arange(num_experts, dtype=jnp.int32), 0),
+                            min(size, num_experts))
+    uniq = jnp.where(keys > 0, num_experts - keys, num_experts).astype(jnp.int32)
+    uniq = jnp.pad(uniq, (0, size - uniq.shape[0]), constant_values=num_experts)
     coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights, precision=EXACT)
     return uniq, coef
 

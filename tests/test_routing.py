@@ -167,3 +167,19 @@ def test_map_token_chunks_pads_with_the_last_token():
                                 z, jnp.asarray(ids), jnp.ones((n, k)), max_rows=32)   # 3 chunks of 24
     seen = np.asarray(seen)[:, 0]
     assert (seen[:24] == 99).all() and (seen[24:] == 2).all()
+
+
+@pytest.mark.parametrize("n,k,e,extra", [(1, 4, 16, 0), (5, 3, 8, 0), (8, 8, 256, 0), (3, 2, 4, 0), (3, 2, 4, 5)])
+def test_expert_dispatch_is_unique_and_coefficients(n, k, e, extra):
+    """uniq = the sorted distinct ids padded with E (what jnp.unique(size=...) gives, also when ids
+    hold the padding id E or repeat across tokens); coef[u, n] = token n's weight for uniq[u]."""
+    rng = np.random.default_rng(n * 100 + e)
+    ids = np.stack([rng.choice(e + 1, size=k, replace=False) for _ in range(n)]).astype(np.int32)
+    ids[-1] = ids[0]                                            # a token repeating another's experts
+    weights = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    size = min(e, n * k) + extra          # callers may ask for more slots than experts
+    uniq, coef = ops.expert_dispatch(jnp.asarray(ids), jnp.asarray(weights), e, size)
+    want = np.unique(ids[ids < e])
+    np.testing.assert_array_equal(uniq, np.concatenate([want, np.full(size - len(want), e)]))
+    want_coef = np.array([[weights[t][ids[t] == x].sum() for t in range(n)] for x in np.asarray(uniq)])
+    np.testing.assert_array_equal(coef, want_coef)
