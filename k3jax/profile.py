@@ -424,8 +424,8 @@ def by_op(result: dict) -> list[dict]:
     """Kernel time per op (`op_label`), most first: [{op, us_per_step, launches_per_step, kernels}]."""
     ops: dict[str, dict] = {}
     for k in result["kernels"]:
-        o = ops.setdefault(op_label(k), {"op": op_label(k), "us_per_step": 0.0, "launches_per_step": 0.0,
-                                         "kernels": 0})
+        label = op_label(k)
+        o = ops.setdefault(label, {"op": label, "us_per_step": 0.0, "launches_per_step": 0.0, "kernels": 0})
         o["us_per_step"] += k["us_per_step"]
         o["launches_per_step"] += k["launches_per_step"]
         o["kernels"] += 1

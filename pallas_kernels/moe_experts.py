@@ -49,7 +49,7 @@ H200 (2026-11-30, CUPTI, E=448; session 5: bit-placement decode, three programs 
 127 us (51% of the 4.3 TB/s copy rate; 148 us with the prmt decode at two programs per SM, 836 us
 for the first elementwise decode through SMEM), batch 8 699 us (64.5%; 836, 5604), batch 32
 2715 us (45.6%; 3607). At batch 1 gate/up takes 76 us (57% of its bytes' time), down 37 us (59%),
-and the XLA glue (dispatch sort, permutes, partial sum) ~14 us. Halving the ALU work gained 8-10%,
+and the XLA glue (expert dispatch, permutes, partial sum) ~14 us. Halving the ALU work gained 8-10%,
 a third resident program another 7-8%, one program per SM loses 25%: the decode is latency-bound
 (few warps per SM), not issue- or HBM-bound.
 

@@ -152,7 +152,7 @@ def shared_lowering(fn: Callable) -> Callable:
     """`fn` behind a `jax.jit` shared by all calls with the same argument structure, static values
     and kernel mode (compile / interpret / race detection).
 
-    Why: Mosaic GPU names each lowered kernel uniquely (body_0, body_1, ...), so 12 layers calling
+    Why: Mosaic GPU names each lowered kernel uniquely (moe_down_0, moe_down_1, ...), so 12 layers calling
     the same kernel would otherwise compile 12 identical kernels; one jitted function per shape is
     lowered once and called from every site. Array arguments (and tracers) are traced; every other
     leaf (Python numbers, strings, None) is a static value, as the kernels need it.
