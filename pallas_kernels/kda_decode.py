@@ -15,7 +15,9 @@ short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k an
 norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
 softplus form) and beta. The slab then sits in registers in the wgmma layout (128 / splits
 f32 a thread at d = 128), where the delta rule is a few broadcasts and two column reductions; o
-is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA. The
+is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
+place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
+held twice; before session 6 XLA copied every layer's state after the kernel). The
 gated RMSNorm (ops.gated_rms_norm) needs the head's whole o: with one split it runs in the
 kernel; with more, the kernel writes the rounded o and the same call runs after it in XLA. The
 shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
@@ -97,7 +99,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     w = d // splits         # value columns per program
     bf16 = qkv.dtype
 
-    def kda_decode_step(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, s_out_g):
+    def kda_decode_step(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g):
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
@@ -144,7 +146,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
                 o = ops.gated_rms_norm(o, vec(gate_g.at[b, heads], COL), vec(on_g, COL), eps)
             o_smem[...] = o
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_smem, s_out_g.at[b, h, :, cols])
+            plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
             plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
             for part in range(3):
@@ -156,14 +158,18 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
                       plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((d,), f32), plgpu.Barrier())
 
-    return plgpu.kernel(
+    # The recurrent state is updated in place (a mutable ref: the call aliases it, so a donated
+    # decode state is neither copied nor allocated twice). The conv window is not: the splits of a
+    # head all read its taps while each writes a part of the new window.
+    state = jax.new_ref(recurrent)
+    o, conv = plgpu.kernel(
         kda_decode_step,
-        out_type=(jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                  jax.ShapeDtypeStruct(recurrent.shape, recurrent.dtype)),
+        out_type=(jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
         grid=(b_n, h_n, splits), grid_names=("b", "h", "s"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu.interpret_params(),
-    )(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent)
+    )(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, state)
+    return o, conv, jax.freeze(state)
 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,

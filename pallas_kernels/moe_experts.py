@@ -21,13 +21,15 @@ exactly once per call, padded expert slots read nothing:
 
 The decode (compiled path) works on whole 32-bit words, 8 codes at a time, by bit placement:
 the bf16 bits (sign << 15) | (e1 e0 m << 6) of a code are its E2M1 value times 2^-126 (a bf16
-subnormal for e = 0, exactly as E2M1's own subnormals), so per pair of codes (c_a, c_a+4) one
-`and` isolates the two nibbles, two shifts move the signs (by 12 - 4a) and the magnitudes (by
-6 - 4a) into place, an or + and (one LOP3) merges them, and two `fma.rn.bf16x2` multiply by 2^126
-(exact) and by the group's power-of-two scale (a normal bf16 2^(scale-127); exact, as E2M1 values
-have two significant bits). That is 9 ALU-pipe ops per word when ptxas issues the shifts on the
-FMA pipe (IMAD.SHL; unverified: the device has no nvdisasm), against 18 for the earlier prmt
-table lookup, which was 8-10% slower on the H200 (below). The
+subnormal for e = 0, exactly as E2M1's own subnormals). Per pair of codes (c_a, c_a+4): one `and`
+isolates the two nibbles, one integer multiply by 2^(12-4a) + 2^(6-4a) moves the signs and the
+magnitudes into place at once (the two shifted copies do not overlap, so the sum is their or),
+one `and` keeps the bf16 bits, and one `fma.rn.bf16x2` multiplies by the group's power-of-two
+factor 2^(scale - 1 - X_EXP): 17 instructions per word. The factor folds in the 2^126 and a
+2^-X_EXP (X_EXP = 64) that the activations carry instead (z and h enter the kernels times 2^64;
+both scalings are exact, so every wgmma product equals the reference's): a bf16 factor cannot
+hold 2^126 beside the scale. Exact for scale codes in EXACT_SCALES = [59, 192] (2^-68 .. 2^65;
+random and real MXFP4 weights sit near 2^-7) and activations below 2^64. The
 bf16 pairs go straight into the register operand (A) of wgmma: no staging through shared
 memory. Each thread decodes the 16-byte groups its WGMMA register layout owns, which orders the
 contraction dimension differently from memory: within every 128 input columns, column
@@ -35,23 +37,25 @@ contraction dimension differently from memory: within every 128 input columns, c
 k: word, a: pair, n: which code of the pair). The activations (z, and h for the down kernel) are
 permuted the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB),
 which leaves the matrix product unchanged. In interpret mode (CPU) the interpreter cannot run
-inline PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize and
-staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and the tests run a
-numpy model of it (with the register placement of `_decode_quad`) against mxfp4.dequantize +
-permute_k, bit for bit, for every code in every position and the scale codes in use.
+inline PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize
+(times 2^-X_EXP) and staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and
+the tests run a numpy model of it (with the register placement of `_decode_quad`) against
+mxfp4.dequantize + permute_k, bit for bit, for every code in every position at the scale codes in
+use and both ends of EXACT_SCALES (and show the range is tight).
 Stages (`OCCUPANCY`): as many as keep three programs resident per SM, so one decodes while the
-others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens (more resident
-programs beat deeper pipelines here; measured below).
+others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens. MX_STEP (input
+columns per step) is 512; 256 (3 + 4 stages at the same occupancy) measured the same at batch 1
+and 3-4% slower at 8-32 tokens, 128 slower everywhere: the kernel does not wait on its loads.
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
-H200 (2026-11-30, CUPTI, E=448; session 5: bit-placement decode, three programs per SM): batch 1
-127 us (51% of the 4.3 TB/s copy rate; 148 us with the prmt decode at two programs per SM, 836 us
-for the first elementwise decode through SMEM), batch 8 699 us (64.5%; 836, 5604), batch 32
-2715 us (45.6%; 3607). At batch 1 gate/up takes 76 us (57% of its bytes' time), down 37 us (59%),
-and the XLA glue (expert dispatch, permutes, partial sum) ~14 us. Halving the ALU work gained 8-10%,
-a third resident program another 7-8%, one program per SM loses 25%: the decode is latency-bound
-(few warps per SM), not issue- or HBM-bound.
+H200 (2026-11-30, CUPTI, E=448), session 6 (IMAD decode, one fma): batch 1 111 us (58.8% of the
+4.32 TB/s copy rate), batch 8 606 us (74.8%), batch 32 2336 us (53.3%); gate/up 61.6 us and down
+31.3 us at batch 1. Before: session 5's and/shl/shl/or/and + two fma decode 127-130 us (51%),
+699-716 us (64%), 2715-2743 us (45.5%); session 4's prmt table decode 148 us at batch 1; the
+first elementwise decode through SMEM 836 us. Time follows the instruction count per word (29 ->
+21 -> 17: -7%, then -9%): the decode is issue-bound at three programs per SM (136 registers; one
+program per SM is 25% slower, deeper pipelines gain nothing).
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -90,10 +94,12 @@ from pallas_kernels import mgpu, registry
 
 
 BLOCK = 64                 # weight rows per program (wgmma M) and columns per wgmma K-tile
-BLOCK_IN = 512             # unpacked input columns per pipeline step: 256 packed bytes, 16 scale bytes
-KTILES = BLOCK_IN // BLOCK
+MX_STEP = 512              # unpacked input columns per MXFP4 pipeline step: 256 packed bytes per row
+SCALE_COLS = 512           # input columns per scale block: 16 bytes per row, the narrowest TMA box
+SCALE_STEPS = SCALE_COLS // MX_STEP    # steps sharing one scale block
+KTILES = MX_STEP // BLOCK
 BF16_STEP = 128            # input columns per pipeline step for bf16 experts (SMEM: module doc)
-QUADS = BLOCK_IN // 128    # 128-column blocks per step: one 16-byte group per thread and row each
+QUADS = MX_STEP // 128     # 128-column blocks per step: one 16-byte group per thread and row each
 MAX_TOKENS = 64
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
 # SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
@@ -124,9 +130,9 @@ def unsupported(z, ids, experts: ops.ExpertWeights) -> str | None:
         return f"z is {z.dtype}, the kernel takes bfloat16"
     if n < 1:
         return "no tokens"
-    step = _step(experts.is_mxfp4)
-    if m % step or inter % step:
-        return f"M={m} or I={inter} not a multiple of {step}"
+    unit = SCALE_COLS if experts.is_mxfp4 else BF16_STEP
+    if m % unit or inter % unit:
+        return f"M={m} or I={inter} not a multiple of {unit}"
     return None
 
 
@@ -136,7 +142,7 @@ def covers(z, ids, experts) -> bool:
 
 def _step(mxfp4: bool) -> int:
     """Input columns per pipeline step."""
-    return BLOCK_IN if mxfp4 else BF16_STEP
+    return MX_STEP if mxfp4 else BF16_STEP
 
 
 def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
@@ -163,28 +169,35 @@ def _k_tiles(x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ the word decode (PTX)
-TWO_126 = 0x7E807E80       # bf16 2^126 in both halves
+# The kernel takes the activations times 2^X_EXP and the weights times 2^-X_EXP (both exact in
+# bf16; the wgmma products are unchanged), so one fma by 2^(scale - 1 - X_EXP) turns a code's bits
+# (E2M1 x 2^-126) into its weight: 2^126 would not fit a bf16 scale factor beside 2^(scale - 127).
+# Exact for scale codes EXACT_SCALES (2^-68 .. 2^65; below, products drop under bf16's smallest
+# subnormal; above, the factor overflows) and activations below 2^64 in magnitude.
+X_EXP = 64
+SCALE_BIAS = 126 - X_EXP               # bf16 exponent field of the factor = scale code + SCALE_BIAS
+# (59, 192): the lowest bit of E2M1 * 2^(scale - 127 - X_EXP) is >= 2^-133; the field is <= 254.
+EXACT_SCALES = (X_EXP - 5, 254 - SCALE_BIAS)
 
 
 def _pair(src: str, a: int, out: str) -> tuple:
-    """Nibbles a and a + 4 of src (a in 0, 1) -> out: their E2M1 values times the scale, bf16x2."""
-    n, x, y, b, u = (f"{v}{out}" for v in "nxybu")
+    """Nibbles a and a + 4 of src (a in 0, 1) -> out: their E2M1 values times the factor, bf16x2."""
+    n, b = (f"{v}{out}" for v in "nb")
     return (("and", n, src, 0x000F000F << 4 * a),       # the two codes alone
-            ("shl", x, n, 12 - 4 * a),                  # their signs to bits 15 / 31
-            ("shl", y, n, 6 - 4 * a),                   # their magnitudes (e1 e0 m) to bits 8..6 / 24..22
-            ("or", b, x, y),
+            # One multiply = two shifts summed: the magnitudes (e1 e0 m) to bits 8..6 / 24..22 and
+            # the signs to bits 15 / 31. The shifted copies do not overlap, so no carries.
+            ("mul", b, n, (1 << 12 - 4 * a) + (1 << 6 - 4 * a)),
             ("and", b, b, 0x81C081C0),                  # bf16 bits of E2M1 * 2^-126 (subnormal if e = 0)
-            ("fma", u, b, "c126"),                      # exact: the E2M1 value
-            ("fma", out, u, "s"))
+            ("fma", out, b, "s"))                       # exact: E2M1 * 2^(scale - 127 - X_EXP)
 
 
-# One packed word "w" (codes c0..c7, c_i in bits 4i..4i+3) and the group's scale "s" (bf16
-# 2^(scale-127) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a scaled bf16 pair. The
-# sign and the magnitude bits of a code move by different shifts (12 and 6 bits), so a code's
-# nibble is isolated first; shifts can issue on the FMA pipe (IMAD.SHL), leaving 9 ALU ops per word.
+# One packed word "w" (codes c0..c7, c_i in bits 4i..4i+3) and the group's factor "s" (bf16
+# 2^(scale - 1 - X_EXP) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a bf16 pair. The
+# sign and the magnitude bits of a code move by different shifts (12 and 6 bits): a code's nibble
+# is isolated, then one integer multiply (IMAD) applies both shifts at once: 4 instructions per
+# pair, 17 per word (the kernel is issue-bound: each instruction saved shows; module doc).
 # Ops on .b32 values; ints are immediates. `decode_word_ptx` emits it, tests interpret it.
 DECODE_PROGRAM: tuple = (
-    ("mov", "c126", TWO_126),
     ("shr", "w8", "w", 8),                              # codes 2, 3, 6, 7 to the places of 0, 1, 4, 5
     *_pair("w", 0, "p0"), *_pair("w", 1, "p1"), *_pair("w8", 0, "p2"), *_pair("w8", 1, "p3"),
 )
@@ -199,8 +212,7 @@ def decode_word_ptx() -> str:
     lines = ["{", f".reg .b32 {', '.join(map(arg, regs))}, d_nz;", f"mov.b32 d_nz, 0x{NEG_ZERO2:08X};"]
     for op, dst, *src in DECODE_PROGRAM:
         args = ", ".join(arg(a) for a in (dst, *src))
-        lines.append({"and": "and.b32", "or": "or.b32", "shr": "shr.u32", "shl": "shl.b32", "mov": "mov.b32",
-                      "fma": "fma.rn.bf16x2"}[op] + f" {args}" + (", d_nz;" if op == "fma" else ";"))
+        lines.append({"and": "and.b32", "shr": "shr.u32", "mul": "mul.lo.u32", "fma": "fma.rn.bf16x2"}[op] + f" {args}" + (", d_nz;" if op == "fma" else ";"))
     return "\n\t".join(lines + ["}"])
 
 
@@ -235,7 +247,8 @@ def _decode_quad(w_s, s_s, quad: int):
             words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
             s_off = arith.addi(arith.muli(row, c(s_stride)), group)
             code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
-            scale = arith.muli(code, c(0x00800080))      # bf16 bits of 2^(code-127), both halves
+            # bf16 bits of 2^(code - 1 - X_EXP) in both halves (DECODE_PROGRAM's factor)
+            scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
             for k in range(4):
                 word = vector.extract(words, dynamic_position=[],
                                       static_position=ir.DenseI64ArrayAttr.get([k]))
@@ -248,10 +261,13 @@ def _decode_quad(w_s, s_s, quad: int):
     return decode(w_s, s_s)
 
 
-def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
-    """acc[64, Np] += W_step @ x_step: W_step = w_s [64, 256] packed + s_s [64, 16] scales,
-    x_s [8, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
+def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
+    """acc[64, Np] += W_step @ x_step for pipeline step k: W_step = w_s [64, MX_STEP/2] packed codes
+    and its part of s_s [64, SCALE_COLS/32] (the scale block steps k - k % SCALE_STEPS.. share),
+    x_s [KTILES, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
     else an SMEM [64, 64] bf16 tile (interpret mode: mxfp4.dequantize, permuted, staged)."""
+    groups = MX_STEP // 32
+    s_s = s_s.at[:, pl.ds(jax.lax.rem(k, SCALE_STEPS) * groups, groups)]
     if stage_s is None:
         # A quad's wgmma overlaps the next quad's decode while the accumulators are small; from 32
         # tokens the registers that overlap holds cost occupancy (H200, session 5: gate/up at batch
@@ -262,7 +278,7 @@ def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
                 plgpu.wgmma(acc, tile, x_s.at[2 * quad + h].T)
             plgpu.wgmma_wait(pending)    # (2: the previous quad's registers are free again)
         return
-    w = permute_k(mxfp4.dequantize(w_s[...], s_s[...]))
+    w = permute_k(mxfp4.dequantize(w_s[...], s_s[...]) * 2.0 ** -X_EXP).astype(jnp.bfloat16)
     for t in range(KTILES):
         stage_s[...] = w[:, t * BLOCK:(t + 1) * BLOCK]
         plgpu.commit_smem()
@@ -270,11 +286,11 @@ def _dequant_mma(acc, w_s, s_s, x_s, stage_s) -> None:
         plgpu.wgmma_wait(0)
 
 
-def _mma(acc, w_s, x_s, stage_s) -> None:
-    """acc[64, Np] += one pipeline step of a matrix: w_s its weight refs, (packed, scales) (see
+def _mma(acc, k, w_s, x_s, stage_s) -> None:
+    """acc[64, Np] += pipeline step k of a matrix: w_s its weight refs, (packed, scales) (see
     _dequant_mma) or (a [64, 128] bf16 tile,), against x_s (that format's activation block)."""
     if len(w_s) == 2:
-        _dequant_mma(acc, *w_s, x_s, stage_s)
+        _dequant_mma(acc, k, *w_s, x_s, stage_s)
     else:
         plgpu.wgmma(acc, w_s[0], x_s.T)
 
@@ -284,7 +300,7 @@ def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
     MXFP4 charges interpret mode's 8 KB staging tile in both modes (compiled, it is the margin for
     the epilogue tile and barriers)."""
     if mxfp4:   # + interpret mode's staging tile
-        step, extra = matrices * (BLOCK * BLOCK_IN // 2 + BLOCK * BLOCK_IN // 32), BLOCK * BLOCK * 2
+        step, extra = matrices * (BLOCK * MX_STEP // 2 + BLOCK * SCALE_COLS // 32), BLOCK * BLOCK * 2
     else:
         step, extra = matrices * BLOCK * BF16_STEP * 2, 0
     step += n_pad * _step(mxfp4) * 2                          # the activations' bf16 block
@@ -297,8 +313,8 @@ def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
 
 def _weight_specs(mxfp4: bool):
     if mxfp4:
-        return [plgpu.BlockSpec((BLOCK, BLOCK_IN // 2), lambda k: (0, k)),
-                plgpu.BlockSpec((BLOCK, BLOCK_IN // 32), lambda k: (0, k))]
+        return [plgpu.BlockSpec((BLOCK, MX_STEP // 2), lambda k: (0, k)),
+                plgpu.BlockSpec((BLOCK, SCALE_COLS // 32), lambda k: (0, k // SCALE_STEPS))]
     return [plgpu.BlockSpec((BLOCK, BF16_STEP), lambda k: (0, k), transforms=TILED)]
 
 
@@ -312,7 +328,7 @@ def _x_spec(n_pad: int, mxfp4: bool):
 
 def _x_layout(x: jax.Array, mxfp4: bool) -> jax.Array:
     """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4) or x."""
-    return _k_tiles(x) if mxfp4 else x
+    return _k_tiles(x * 2.0 ** X_EXP) if mxfp4 else x
 
 
 def _staging(body, staged: bool):
@@ -341,10 +357,10 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
             @pl.when(eid < n_exp)
             def _compute():
                 def accumulate(acc_g, acc_u, stage_s):
-                    def step(_, *smem):
+                    def step(idx, *smem):
                         *w_s, x_s = smem
-                        _mma(acc_g, w_s[:len(gate)], x_s, stage_s)
-                        _mma(acc_u, w_s[len(gate):], x_s, stage_s)
+                        _mma(acc_g, idx[0], w_s[:len(gate)], x_s, stage_s)
+                        _mma(acc_u, idx[0], w_s[len(gate):], x_s, stage_s)
                         plgpu.wgmma_wait(0)      # the step's slots are refilled after it
                     plgpu.emit_pipeline(
                         step, grid=(steps,),
@@ -415,9 +431,9 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
 
                 @pl.when(eid < n_exp)      # padded slots read no weights
                 def _():
-                    def step(_, *smem):
+                    def step(idx, *smem):
                         *w_s, x_s = smem
-                        _mma(acc, w_s, x_s, stage_s)
+                        _mma(acc, idx[0], w_s, x_s, stage_s)
                         plgpu.wgmma_wait(0)
                     plgpu.emit_pipeline(
                         step, grid=(steps,),

@@ -39,45 +39,62 @@ def _run_program(word, scale):
     val = lambda a: np.uint64(a) if isinstance(a, int) else env[a]
     for op, dst, *src in me.DECODE_PROGRAM:
         a = [val(x) for x in src]
-        env[dst] = {"and": lambda: a[0] & a[1], "or": lambda: a[0] | a[1], "shr": lambda: a[0] >> a[1],
-                    "shl": lambda: a[0] << a[1], "mov": lambda: a[0], "fma": lambda: _fma_bf16x2(a[0], a[1])}[op]()
+        env[dst] = {"and": lambda: a[0] & a[1], "shr": lambda: a[0] >> a[1], "mul": lambda: a[0] * a[1],
+                    "fma": lambda: _fma_bf16x2(a[0], a[1])}[op]()
         env[dst] &= np.uint64(0xFFFFFFFF)
     return [env[f"p{i}"] for i in range(4)]
 
 
 def _compiled_decode_model(packed, scale):
-    """One pipeline step as the compiled kernel decodes it: packed [64, 256] uint8, scales [64, 16]
-    -> [64, 512] bf16 in wgmma K-tile order, through the thread -> (row, group, register) map of
-    me._decode_quad (WGMMA layout: register (j, r) of lane l holds columns 8j + 2(l%4) + {0,1})."""
-    words = np.ascontiguousarray(packed).view("<u4").astype(np.uint64)                         # [64, 64]
+    """One scale block as the compiled kernel decodes it: packed [64, 256] uint8, scales [64, 16]
+    -> [64, 512] bf16 weights times 2^-X_EXP in wgmma K-tile order. The block is SCALE_STEPS pipeline steps; step t gets
+    the codes [:, t * MX_STEP/2 ...] and the scales [:, t * MX_STEP/32 ...] (me._dequant_mma), decoded
+    through the thread -> (row, group, register) map of me._decode_quad (WGMMA layout: register
+    (j, r) of lane l holds columns 8j + 2(l%4) + {0,1})."""
     out = np.zeros((64, 512), np.uint16)
     rows = np.arange(64)
-    for quad in range(me.QUADS):
-        for q in range(4):
-            group = 4 * quad + q
-            sc = scale[:, group].astype(np.uint64) * np.uint64(0x00800080)
-            for k in range(4):
-                pairs = _run_program(words[:, 4 * group + k], sc)
-                for a, p in enumerate(pairs):
-                    col = 64 * (2 * quad + k // 2) + 8 * (4 * (k % 2) + a) + 2 * q
-                    out[rows, col] = p & 0xFFFF
-                    out[rows, col + 1] = p >> np.uint64(16)
+    for t in range(me.SCALE_STEPS):
+        words = np.ascontiguousarray(packed[:, t * me.MX_STEP // 2:(t + 1) * me.MX_STEP // 2]).view("<u4")
+        words = words.astype(np.uint64)
+        step_scale = scale[:, t * me.MX_STEP // 32:(t + 1) * me.MX_STEP // 32]
+        for quad in range(me.QUADS):
+            for q in range(4):
+                group = 4 * quad + q
+                sc = (step_scale[:, group].astype(np.uint64) + np.uint64(me.SCALE_BIAS)) * np.uint64(0x00800080)
+                for k in range(4):
+                    pairs = _run_program(words[:, 4 * group + k], sc)
+                    for a, p in enumerate(pairs):
+                        col = t * me.MX_STEP + 64 * (2 * quad + k // 2) + 8 * (4 * (k % 2) + a) + 2 * q
+                        out[rows, col] = p & 0xFFFF
+                        out[rows, col + 1] = p >> np.uint64(16)
     return out.view(jnp.bfloat16)
 
 
-def test_compiled_decode_model_is_exact():
-    """Every code in every byte position, every scale code the tests and K3 use (and the extremes
-    of the range, overflow to inf included): the PTX program + register placement equals mxfp4.dequantize followed
-    by permute_k, bit for bit (signed zeros included)."""
+def _decode_mismatches(scale_code: int) -> int:
+    """Elements where the compiled-decode model times 2^X_EXP differs from permute_k(mxfp4.dequantize)
+    (as numbers; zeros by sign bit too), over every code in every byte position at one scale code."""
     codes = np.arange(256, dtype=np.uint8)
     packed = np.stack([np.roll(codes, 7 * r) for r in range(64)])                 # [64, 256]
-    # Scale code 1 would make +-0.5 * 2^-126 subnormal, which XLA:CPU's reference flushes to 0.
-    used = np.array(list(range(100, 135)) + [0, 2, 3, 126, 127, 128, 200, 253, 254], np.uint8)
-    for start in range(0, len(used), 16):
-        scale = np.resize(np.roll(used, start), (64, 16)).astype(np.uint8)
-        got = _compiled_decode_model(packed, scale).view(np.uint16)
-        want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)))).view(np.uint16)
-        np.testing.assert_array_equal(got, want)
+    scale = np.full((64, 16), scale_code, np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = _compiled_decode_model(packed, scale).astype(np.float64) * 2.0 ** me.X_EXP
+    want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)))).astype(np.float64)
+    return int(((got != want) | (np.signbit(got) != np.signbit(want))).sum())
+
+
+def test_compiled_decode_model_is_exact():
+    """Every code in every byte position, the scale codes the tests and K3 use and both ends of
+    EXACT_SCALES: the PTX program + register placement equals mxfp4.dequantize (times 2^-X_EXP)
+    followed by permute_k, bit for bit (signed zeros included)."""
+    lo, hi = me.EXACT_SCALES
+    for code in [*range(100, 135), lo, lo + 1, 64, 66, 126, 127, 128, 160, hi - 1, hi]:
+        assert _decode_mismatches(code) == 0, code
+
+
+def test_exact_scale_range_is_tight():
+    """Just outside EXACT_SCALES the decode is not exact (the range the docs state is the real one)."""
+    lo, hi = me.EXACT_SCALES
+    assert _decode_mismatches(lo - 1) > 0 and _decode_mismatches(hi + 1) > 0
 
 
 def test_permute_k_is_a_permutation_per_128_columns():
@@ -173,5 +190,8 @@ def test_moe_experts_bf16_cuda_export(n, shape, act):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SMALL + K3, ids=lambda c: c.name)
 def test_moe_experts_gpu(case):
+    if case.name == "fallback_m96":     # docs/pallas.md, Known issues
+        pytest.skip("XLA:GPU (jax 0.11.2) aborts compiling the MXFP4 reference at M = 96 "
+                    "(triton_tiling_propagation.cc:703 check failure)")
     r = validate.check_case(SPEC, "pallas", me.moe_experts, case, seed=5)
     assert r.passed, r
