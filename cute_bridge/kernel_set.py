@@ -49,34 +49,44 @@ class KernelSpec:
 GEMV_ROWS = (1, 2, 4, 8)        # batch rows with a compiled GEMV; others pad up or fall back
 
 
-def _gemv(rows: int) -> KernelSpec:
+def _gemv(rows: int, kind: str) -> KernelSpec:
+    """kind "": gemv_r{rows} -> y [rows, N] bf16 (one row: the SIMT kernel, more: the MMA one);
+    "split": gemv_split_r{rows} -> float32 partials [S, rows, N] over S slices of K (summed by
+    the caller)."""
+    entry = "gemv_split" if kind else "gemv_simt" if rows == 1 else "gemv"
     return KernelSpec(
-        name=f"gemv_r{rows}", entry="cute_bridge.kernels.gemv:gemv",
+        name=f"gemv_{'split_' if kind else ''}r{rows}", entry=f"cute_bridge.kernels.gemv:{entry}",
         inputs=(Arg("x", "bfloat16", (rows, "K")), Arg("w", "bfloat16", ("N", "K"))),
-        outputs=(Arg("y", "bfloat16", (rows, "N")),),
+        outputs=(Arg("y", "float32", ("S", rows, "N")) if kind else Arg("y", "bfloat16", (rows, "N")),),
         divisibility=(("K", 8),))
 
 
-KERNELS: tuple[KernelSpec, ...] = (
-    KernelSpec(name="add", entry="cute_bridge.kernels.add:add",
-               inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
-               outputs=(Arg("out", "float32", ("n",)),)),
-    *(_gemv(r) for r in GEMV_ROWS),
-    # MXFP4 codes travel as int32 words (8 codes each) so a lane loads a scale group in 16 bytes.
+# MXFP4 codes travel as int32 words (8 codes each) so a lane loads a scale group in 16 bytes; the
+# activations (z, hid) come with their columns in decode order (cute_bridge.ops.permute_x).
+MOE_KERNELS = (
     KernelSpec(
         name="moe_gate_up", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
         inputs=(Arg("z", "bfloat16", ("N", "M")), Arg("ids", "int32", ("S",)),
                 Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
                 Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
         outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
-        divisibility=(("M", 32), ("M8", 4))),
+        divisibility=(("M", 32), ("I", 16), ("M8", 4))),
     KernelSpec(
-        name="moe_down_combine", entry="cute_bridge.kernels.mxfp4_moe:down_combine",
+        name="moe_down", entry="cute_bridge.kernels.mxfp4_moe:down",
         inputs=(Arg("hid", "bfloat16", ("S", "I")), Arg("ids", "int32", ("S",)),
                 Arg("weights", "float32", ("S",)),
                 Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
-        outputs=(Arg("out", "bfloat16", ("N", "M")),),
-        divisibility=(("I", 32), ("I8", 4))),
+        outputs=(Arg("part", "float32", ("S", "M")),),
+        divisibility=(("I", 32), ("M", 16), ("I8", 4))),
+)
+
+
+KERNELS: tuple[KernelSpec, ...] = (
+    KernelSpec(name="add", entry="cute_bridge.kernels.add:add",
+               inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
+               outputs=(Arg("out", "float32", ("n",)),)),
+    *(_gemv(r, kind) for kind in ("", "split") for r in GEMV_ROWS),
+    *MOE_KERNELS,
 )
 
 BY_NAME = {k.name: k for k in KERNELS}

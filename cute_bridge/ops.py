@@ -3,10 +3,13 @@
 Each takes exactly its reference's arguments (k3jax.ops). Shapes/dtypes a kernel does not cover,
 or a process without a GPU, fall back to the reference with one log line per reason.
 
-  linear:       bf16 x [..., K] @ w [N, K].T with at most 8 rows and K % 8 == 0 -> gemv_r{1,2,4,8}
-                (rows padded up to the next compiled count).
+  linear:       bf16 x [..., K] @ w [N, K].T with at most 8 rows and K % 8 == 0 (rows padded up to
+                the next compiled count): one row -> gemv_r1 (SIMT) when N >= SIMT_MIN_ROWS; else
+                the MMA kernels, gemv_r{2,4,8}, or for narrow w (N < 16 x SPLIT_MAX_TILES)
+                gemv_split_r* over k_splits(N, K) slices of K with XLA summing the float32 partials.
   moe_experts:  MXFP4 experts, bf16 z [N, M], M and I multiples of 32 -> moe_gate_up, then
-                k3jax.ops.glu in XLA (the one formula), then moe_down_combine.
+                k3jax.ops.glu in XLA (the one formula), then moe_down (each slot's weighted output,
+                float32), summed over each token's k slots in XLA.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from cute_bridge import loader
 from cute_bridge.kernel_set import GEMV_ROWS
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
+
+
+GEMV_TILE = 16            # output rows per GEMV block (kernels/gemv.py TILE)
+# K split: H200, session 6, batch 8: 3584 x 7168 18.1 us split in 3 vs 24.8 unsplit, but 7168 x
+# 12288 59.1 us split in 2 vs 51.2 unsplit (the XLA sum and the extra partial traffic).
+SPLIT_MAX_TILES = 2 * 132  # from this many 16-row tiles up, no split
+SPLIT_BLOCKS = 4 * 132    # blocks a split aims at (four per H200 SM)
+MIN_SPLIT_CHUNKS = 16     # 32-column chunks per K slice at least (four per warp)
+SIMT_MIN_ROWS = 1024      # one x row and at least this many outputs: gemv_r1 (SIMT); fewer: split MMA
 
 
 def _runnable() -> str | None:
@@ -40,14 +52,38 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
         return fallback("linear", "cute", reason)(x, weight)
     r = next(r for r in GEMV_ROWS if r >= rows)
     x2 = jnp.pad(x.reshape(rows, k), ((0, r - rows), (0, 0)))
-    (y,) = loader.call(f"gemv_r{r}", x2, weight)
-    return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0]
+    s = k_splits(n, k)
+    if r == 1 and n >= SIMT_MIN_ROWS:
+        (y,) = loader.call("gemv_r1", x2, weight)                # one row: the SIMT kernel, no split
+    elif s == 1 and r > 1:
+        (y,) = loader.call(f"gemv_r{r}", x2, weight)
+    else:
+        (part,) = loader.call(f"gemv_split_r{r}", x2, weight, dims={"S": s})
+        y = part.sum(0).astype(x.dtype)
+    return y[:rows].reshape(*x.shape[:-1], n)
+
+
+def k_splits(n: int, k: int) -> int:
+    """K slices for an [n, k] MMA GEMV: 1 from SPLIT_MAX_TILES row tiles of 16 up, else enough for
+    SPLIT_BLOCKS blocks, each slice keeping >= MIN_SPLIT_CHUNKS 32-column chunks."""
+    tiles = -(-n // GEMV_TILE)
+    if tiles >= SPLIT_MAX_TILES:
+        return 1
+    return max(1, min(-(-SPLIT_BLOCKS // tiles), -(-k // 32) // MIN_SPLIT_CHUNKS))
 
 
 def _words(packed: jax.Array) -> jax.Array:
     """uint8 codes [E, O, in/2] viewed as int32 [E, O, in/8] (no copy: a bitcast)."""
     e, o, half = packed.shape
     return jax.lax.bitcast_convert_type(packed.reshape(e, o, half // 4, 4), jnp.int32)
+
+
+def permute_x(x: jax.Array) -> jax.Array:
+    """x [..., D] (D % 8 == 0) -> its columns in the MXFP4 decode's pair order, (0, 4, 1, 5, 2, 6, 3, 7)
+    within every 8 (kernels/mxfp4_moe.py)."""
+    *lead, d = x.shape
+    return x.reshape(*lead, d // 8, 2, 4).swapaxes(-1, -2).reshape(*lead, d)
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
@@ -63,12 +99,12 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
-    gate, up = loader.call("moe_gate_up", z, flat_ids, _words(experts.w1), experts.s1,
+    gate, up = loader.call("moe_gate_up", permute_x(z), flat_ids, _words(experts.w1), experts.s1,
                            _words(experts.w3), experts.s3)
     hid = ops.glu(gate, up, act, beta, linear_beta)
-    (out,) = loader.call("moe_down_combine", hid, flat_ids, weights.reshape(-1).astype(jnp.float32),
-                         _words(experts.w2), experts.s2, dims={"N": n})
-    return out
+    (part,) = loader.call("moe_down", permute_x(hid), flat_ids, weights.reshape(-1).astype(jnp.float32),
+                          _words(experts.w2), experts.s2)
+    return part.reshape(n, -1, m).sum(1).astype(z.dtype)    # the reference's float32 combine
 
 
 register("linear", "cute", linear)

@@ -54,8 +54,9 @@ def _export(f, *avals):
     ("gemv_r8", (S((8, 64), jnp.bfloat16), S((24, 64), jnp.bfloat16)), None),
     ("moe_gate_up", (S((2, 64), jnp.bfloat16), S((8,), jnp.int32), S((16, 32, 8), jnp.int32),
                      S((16, 32, 2), jnp.uint8), S((16, 32, 8), jnp.int32), S((16, 32, 2), jnp.uint8)), None),
-    ("moe_down_combine", (S((8, 32), jnp.bfloat16), S((8,), jnp.int32), S((8,), jnp.float32),
-                          S((16, 64, 4), jnp.int32), S((16, 64, 1), jnp.uint8)), {"N": 2}),
+    ("gemv_split_r2", (S((2, 200), jnp.bfloat16), S((24, 200), jnp.bfloat16)), {"S": 3}),
+    ("moe_down", (S((8, 32), jnp.bfloat16), S((8,), jnp.int32), S((8,), jnp.float32),
+                  S((16, 64, 4), jnp.int32), S((16, 64, 1), jnp.uint8)), None),
 ])
 def test_kernel_lowers_and_exports_for_cuda(name, avals, dims):
     text = _export(lambda *a: loader.call(name, *a, dims=dims), *avals)
@@ -76,7 +77,15 @@ def test_registered_ops_export_at_k3_decode_shapes():
     text = _export(experts, S((1, m), jnp.bfloat16), S((1, k), jnp.int32), S((1, k), jnp.float32),
                    S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),
                    S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
-    assert BY_NAME["moe_gate_up"].target in text and BY_NAME["moe_down_combine"].target in text
+    assert BY_NAME["moe_gate_up"].target in text and BY_NAME["moe_down"].target in text
+    # One row runs the SIMT kernel down to 1024 outputs; narrower matrices and more rows run the
+    # MMA kernels, splitting K (float32 partials summed by XLA) when the row tiles cannot fill the GPU.
+    assert BY_NAME["gemv_split_r1"].target in _export(cute_ops.linear, S((1, d), jnp.bfloat16),
+                                                      S((576, d), jnp.bfloat16))
+    assert BY_NAME["gemv_split_r8"].target in _export(cute_ops.linear, S((8, d), jnp.bfloat16),
+                                                      S((1536, d), jnp.bfloat16))
+    assert BY_NAME["gemv_r8"].target in _export(cute_ops.linear, S((5, d), jnp.bfloat16),
+                                                S((12288, d), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -132,3 +141,62 @@ def test_registry_and_plan_pick_cute():
     assert registry.implementation("linear", "cute") is not None
     plan = KernelPlan.for_backend("cute")
     assert plan.describe()["linear"] == "cute" and plan.describe()["moe_experts"] == "cute"
+
+
+def _run_decode_ptx(ptx: str, regs: dict) -> dict:
+    """A numpy model of the decode's PTX (the ops it uses), on uint32 arrays."""
+    import ml_dtypes
+    bf16x2 = lambda v: np.stack([v & 0xFFFF, v >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
+    for line in ptx.replace("\t", "").split("\n"):
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(" ", 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        val = [regs[a] if a in regs else np.uint32(int(a, 0)) for a in src]
+        if op == "fma.rn.bf16x2":      # exact here: products of E2M1 values and powers of two
+            f = (bf16x2(val[0]).astype(np.float64) * bf16x2(val[1]).astype(np.float64)
+                 + bf16x2(val[2]).astype(np.float64)).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+            regs[dst] = f[..., 0] | (f[..., 1] << 16)
+        else:
+            regs[dst] = {"mov.b32": lambda: val[0] + np.zeros_like(regs["$4"]), "shr.u32": lambda: val[0] >> val[1],
+                         "and.b32": lambda: val[0] & val[1],
+                         "mul.lo.u32": lambda: (val[0].astype(np.uint64) * val[1]).astype(np.uint32)}[op]()
+    return regs
+
+
+def test_mxfp4_decode_matches_dequantize():
+    """The PTX decode of every code in every word position, times every scale byte from 2 (XLA
+    flushes scale 1's bf16 subnormals to zero) to 251 (beyond, 6 x scale overflows), gives
+    mxfp4.dequantize's bf16 values in the pair order the kernels assume: pair a = codes a, a + 4."""
+    pytest.importorskip("cutlass", reason="needs the `cute` extra (nvidia-cutlass-dsl)")
+    from cute_bridge.kernels import mxfp4_moe as mk
+    from k3jax import mxfp4
+    rng = np.random.default_rng(0)
+    scales = np.arange(2, 252, dtype=np.uint32)
+    words = rng.integers(0, 2**32, (scales.size, 64), dtype=np.uint64).astype(np.uint32)
+    words[:, :16] = np.arange(16, dtype=np.uint32) * 0x11111111     # every code everywhere
+    s = np.broadcast_to(scales[:, None], words.shape)
+    regs = {"$4": words, "$5": np.full_like(words, mk.TWO_126), "$6": s * 0x00800080}
+    out = _run_decode_ptx(mk.decode_word_ptx(), regs)
+    got = np.stack([out[f"${a}"] for a in range(4)], -1)                     # [scale, word, pair]
+    got = np.stack([got & 0xFFFF, got >> 16], -1).astype(np.uint16)          # [..., pair, half]
+    packed = words.view(np.uint8).reshape(scales.size, 64 * 4)
+    ref = np.asarray(mxfp4.dequantize(jnp.asarray(packed[:, None, :]), jnp.asarray(
+        np.repeat(scales[:, None, None], 64 * 8 // 32, -1).astype(np.uint8)), jnp.bfloat16))[:, 0]
+    ref = ref.reshape(scales.size, 64, 2, 4).transpose(0, 1, 3, 2).view(np.uint16)   # col 4h + a -> [a, h]
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_permute_x_is_the_decode_pair_order():
+    """permute_x puts columns 8j + a and 8j + a + 4 side by side, in pair order a = 0..3."""
+    from cute_bridge.ops import permute_x
+    cols = np.asarray(permute_x(jnp.arange(24)[None]))[0]
+    np.testing.assert_array_equal(cols.reshape(3, 4, 2), [[[8 * j + a, 8 * j + a + 4] for a in range(4)] for j in range(3)])
+
+
+def test_k_splits():
+    from cute_bridge.ops import GEMV_TILE, SPLIT_MAX_TILES, k_splits
+    assert k_splits(GEMV_TILE * SPLIT_MAX_TILES, 7168) == 1 and k_splits(12288, 128) == 1
+    assert k_splits(GEMV_TILE * (SPLIT_MAX_TILES - 1), 7168) == 3 and k_splits(3584, 7168) == 3
+    assert k_splits(1536, 7168) == 6 and k_splits(128, 7168) == 7168 // 32 // 16    # capped: 16 chunks each

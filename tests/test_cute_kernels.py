@@ -35,7 +35,8 @@ def test_add():
 
 
 @pytest.mark.parametrize("lead,n,k", [((1,), 24, 64), ((3,), 100, 200), ((1, 1), 1536, 7168),
-                                      ((5,), 4097, 1032), ((2, 4), 7168, 12288), ((2,), 33, 8)])
+                                      ((5,), 4097, 1032), ((2, 4), 7168, 12288), ((2,), 33, 8),
+                                      ((7,), 700, 1000), ((1,), 28672, 136)])
 def test_linear(lead, n, k):
     from cute_bridge import ops as cute_ops
     for seed in range(2):
@@ -45,15 +46,27 @@ def test_linear(lead, n, k):
         assert _rel(jax.jit(cute_ops.linear)(x, w), ops.linear(x, w)) < TOL["linear"]
 
 
-@pytest.mark.parametrize("n,top_k,e,m,inter", [(1, 4, 16, 32, 32), (3, 8, 32, 256, 96),
-                                               (1, 16, 448, 3584, 3072), (5, 16, 64, 3584, 3072)])
+@pytest.mark.parametrize("rows,n,k,splits", [(1, 40, 72, 5), (8, 1536, 7168, 6), (4, 100, 200, 1)])
+def test_gemv_split_partials(rows, n, k, splits):
+    """The K-split kernel writes every partial (slices past K's end are zeros) and they sum to y."""
+    from cute_bridge import loader
+    x = jax.random.normal(jax.random.key(1), (rows, k), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (n, k), jnp.bfloat16)
+    _poison((splits, rows, n), jnp.float32)
+    (part,) = jax.jit(lambda a, b: loader.call(f"gemv_split_r{rows}", a, b, dims={"S": splits}))(x, w)
+    assert _rel(part.sum(0), ops.linear(x, w).astype(jnp.float32)) < TOL["linear"]
+
+
+@pytest.mark.parametrize("n,top_k,e,m,inter,scale_exp", [
+    (1, 4, 16, 32, 32, -7), (3, 8, 32, 256, 96, -7), (1, 16, 448, 3584, 3072, -7),
+    (5, 16, 64, 3584, 3072, -7), (2, 4, 16, 512, 160, 2)])      # scale bytes 128..130: 2^(s-1) overflows bf16
 @pytest.mark.parametrize("act", ["situ", "silu"])
-def test_moe_experts(n, top_k, e, m, inter, act):
+def test_moe_experts(n, top_k, e, m, inter, scale_exp, act):
     from cute_bridge import ops as cute_ops
     ks = jax.random.split(jax.random.key(n * 7 + e), 6)
-    p1, s1 = mxfp4.random_packed(ks[0], (e, inter, m))
-    p3, s3 = mxfp4.random_packed(ks[1], (e, inter, m))
-    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter))
+    p1, s1 = mxfp4.random_packed(ks[0], (e, inter, m), scale_exp)
+    p3, s3 = mxfp4.random_packed(ks[1], (e, inter, m), scale_exp)
+    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter), scale_exp)
     experts = ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
     ids = jax.vmap(lambda r: jax.random.permutation(r, e)[:top_k])(jax.random.split(ks[3], n)).astype(jnp.int32)
     w = jax.nn.softmax(jax.random.normal(ks[4], (n, top_k)), -1)
