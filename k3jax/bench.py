@@ -40,6 +40,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -115,8 +116,9 @@ def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
 
 
 def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str = "k3", log=print,
-              on_row=None) -> dict:
-    """Per-op timings (see the module doc); `on_row(result)` after every row (partial results)."""
+              on_row=None, cases: str | None = None) -> dict:
+    """Per-op timings (see the module doc); `on_row(result)` after every row (partial results);
+    `cases`: a regex, only the sweep cases whose name it matches (re.search)."""
     from pallas_kernels import registry
 
     copy_bw = costs.copy_bandwidth()
@@ -132,7 +134,7 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
             log(f"{op}: no OpSpec (no kernel registered); skipped")
             continue
         for case in spec.sweep(sizes):
-            if case.batch not in batches:
+            if case.batch not in batches or (cases and not re.search(cases, case.name)):
                 continue
             kw = case.kw
             first = case.make(jax.random.key(0))
@@ -718,6 +720,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops small: a CPU smoke run")
+    p.add_argument("--cases", default=None, help="--ops: regex, only the cases whose name matches (re.search)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json)")
     p.add_argument("--update", default=None, help="--report: rewrite the results block of this Markdown file")
     p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
@@ -773,7 +776,11 @@ def _main(a: argparse.Namespace, command: str) -> int:
     batches = set(int_list(a.batches or "1,8,32,128", "--batches"))
     out = a.out or f"benchmarks/results/ops-{stamp}.json"
     save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
-    result = bench_ops(ops, backends or ["xla", "pallas"], batches, a.sizes, on_row=save)
+    try:
+        re.compile(a.cases or "")
+    except re.error as e:
+        raise ValueError(f"--cases {a.cases!r} is not a regular expression: {e}") from None
+    result = bench_ops(ops, backends or ["xla", "pallas"], batches, a.sizes, on_row=save, cases=a.cases)
     save(result)
     print(summary_table(result))
     print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")

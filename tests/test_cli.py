@@ -68,6 +68,7 @@ def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     ("bench", ["--model", "--backends", "triton"], "unknown backend"),
     ("bench", ["--model", "--batches", "1,x"], "--batches must be comma-separated integers"),
     ("bench", ["--ops", "nope"], "unknown op"),
+    ("bench", ["--ops", "linear", "--cases", "k3_("], "is not a regular expression"),
     ("bench", ["--report", "/nonexistent.json"], "no such result file"),
 ])
 def test_validate_and_bench_reject_bad_input_before_running(capsys, tmp_path, tool, argv, needle):

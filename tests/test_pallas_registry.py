@@ -49,6 +49,11 @@ def test_bench_ops_smoke(tmp_path):
     assert bench.main(["--ops", "linear", "--sizes", "small", "--batches", "1", "--out", str(out)]) == 0
     rows = json.load(open(out))["rows"]
     assert {r["backend"] for r in rows} == {"xla", "pallas"} and all(r["correct"] for r in rows)
+    # --cases: only the sweep cases whose name matches the regex
+    case = rows[0]["case"]
+    assert bench.main(["--ops", "linear", "--sizes", "small", "--batches", "1", "--backends", "xla",
+                       "--cases", f"^{case}$", "--out", str(out)]) == 0
+    assert [r["case"] for r in json.load(open(out))["rows"]] == [case]
 
 
 def test_kernels_lower_once_per_shape():
