@@ -29,8 +29,9 @@ k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
 
 The JSON is rewritten after every measured point, so a run killed at its time limit keeps what
 it measured; `--budget-s` stops starting new points in time for the summary table.
-"ragged" (ragged_all_to_all) does not run on XLA:CPU: it is skipped there with a line saying so
-(k3jax.moe_parallel.unavailable).
+"ragged" (ragged_all_to_all) does not run on XLA:CPU, nor "device" (the device-initiated Mosaic GPU
+dispatch, pallas_kernels.ep_dispatch): they are skipped there with a line saying so
+(k3jax.moe_parallel.unavailable). `--top-kernels N` prints each layer row's N costliest kernels.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
                       warmup=a.warmup, deadline=deadline, on_row=on_row, progress=False)
 
 
-def summary(out: dict) -> str:
+def summary(out: dict, top: int = 0) -> str:
     lines = ["ep batch variant    dispatch+combine us (wall, kernels/GPU)   EP MoE layer us   1-GPU same experts us   "
              "rel err"]
     for r in out.get("moe_layer", []):
@@ -225,6 +226,8 @@ def summary(out: dict) -> str:
         lines.append(f"{r['ep']:2d} {r['batch']:5d} {r['variant']:10s} {r['dispatch_combine_us']:9.1f} "
                      f"{'-' if kern is None else f'{kern:.1f}':>9s} {'-' if full is None else f'{full:.1f}':>17s} "
                      f"{'-' if s is None else f'{s:.1f}':>22s} {r['rel_err_vs_single_device']:9.2e}")
+        if top and r.get("top_kernels_us_per_gpu"):
+            lines.append("      " + "; ".join(f"{name[:48]} {us:.1f}" for name, us in r["top_kernels_us_per_gpu"][:top]))
     for r in out.get("rows", []):
         if r["status"] != "ok":
             lines.append(f"step {r['mesh']} {r['backend']} {r['ep_variant']} batch {r['batch']}: {r['status']}: "
@@ -250,6 +253,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(moe_parallel.VARIANTS), help="layer phase dispatch variants")
     p.add_argument("--layers", type=int, default=8, help="chained layers per timed call")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top-kernels", type=int, default=0, help="summary: the N costliest kernels of each layer row")
     p.add_argument("--step-mesh", default=None, help="step phase mesh (default: ep=<largest --ep>; '' = no step phase)")
     p.add_argument("--preset", default=None, help="step phase preset (default: k3-h200x<ep> for the step mesh)")
     p.add_argument("--step-variants", default="packed,allgather,ragged")
@@ -325,7 +329,7 @@ def main(argv=None) -> int:
             print(out["meta"]["step_error"], flush=True)
     save()
     print()
-    print(summary(out))
+    print(summary(out, a.top_kernels))
     return 0
 
 

@@ -8,6 +8,9 @@
 #      the Pallas per-op plan, whose moe_experts kernel runs inside the expert-parallel shard_map;
 #      its rows list the kernels that fell back). The preset takes ~210 s to create, then ~25 s per
 #      point (compile + steps): 4 points need BUDGET_S ~480.
+#   D. (DEVICE_DISPATCH=1: D alone, then exit) the device-initiated dispatch ("device",
+#      pallas_kernels.ep_dispatch) next to packed / allreduce, dispatch-only at 1, 8, 16, 64 tokens
+#      (8 chained layers, then 32 to separate the per-call overhead), after its GPU tests; ~2-3 min.
 # Writes $OUT/expert-parallel-h200x2.json (all rows) and per-phase logs; stops C in time for the merge.
 #   OUT=/tmp/ep bash benchmarks/expert_parallel_h200x2.sh                    # A, B, C: BUDGET_S=540 by default
 #   STEP_VARIANT=packed BUDGET_S=480 bash benchmarks/expert_parallel_h200x2.sh   # C alone, with that variant
@@ -25,6 +28,22 @@ BASE=${BASE_XLA_FLAGS:-}   # a CPU dry run: BASE_XLA_FLAGS=--xla_force_host_plat
 LAYER=(benchmarks/expert_parallel.py --ep 2 --dispatch-only --batches 1,8,64 --layers 8 --repeats 5 --step-mesh '')
 
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
+if [ -n "${DEVICE_DISPATCH:-}" ]; then
+    # The kernels against XLA's collectives first: a hang (a lost semaphore signal) stops here.
+    K3JAX_GPU_TESTS=1 timeout "${T_S:-75}" $PY -m pytest -q -x -m gpu tests/test_ep_dispatch.py -k "exchange_on_gpus or reply_on_gpus" \
+        2>&1 | tee "$OUT/log_gpu_tests.txt"
+    [ "${PIPESTATUS[0]}" = 124 ] && { echo "exchange kernels hung: stopping"; exit 1; }
+    D=(benchmarks/expert_parallel.py --ep 2 --dispatch-only --repeats 5 --step-mesh '' --top-kernels 4)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="$(echo $BASE)" timeout "${D_S:-120}" $PY "${D[@]}" \
+        --batches 1,8,16,64 --variants device,packed,allreduce --layers 8 --budget-s $(( ${D_S:-120} - 25 )) \
+        --out "$OUT/layer_device.json" 2>&1 | tee "$OUT/log_layer_device.txt"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="$(echo $BASE)" timeout "${D32_S:-90}" $PY "${D[@]}" \
+        --batches 1,8,16,64 --variants device,packed,allreduce --layers 32 --budget-s $(( ${D32_S:-90} - 20 )) \
+        --out "$OUT/layer_device_l32.json" 2>&1 | tee "$OUT/log_layer_device_l32.txt"
+    K3JAX_GPU_TESTS=1 timeout "${T_S:-75}" $PY -m pytest -q -x -m gpu tests/test_ep_dispatch.py -k variant_on_gpus \
+        2>&1 | tee -a "$OUT/log_gpu_tests.txt"
+    exit 0
+fi
 if [ -z "${STEP_VARIANT:-}" ]; then
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="$(echo $BASE)" $PY "${LAYER[@]}" --budget-s "${A_S:-60}" \
     --out "$OUT/layer_nccl.json" 2>&1 | tee "$OUT/log_layer_nccl.txt"

@@ -33,6 +33,10 @@ Variants (`variant=`):
 - "allreduce": "packed" with both collectives as all-reduces (sums with zeros: exact), so XLA's
   own peer-to-peer collective kernels (`--xla_gpu_experimental_use_collective_kernels=ALL_REDUCE`,
   one-shot up to 256 KB) can replace NCCL.
+- "device": "packed" with both collectives replaced by device-initiated Mosaic GPU kernels
+  (pallas_kernels.ep_dispatch: each rank writes its rows straight into the peers' receive
+  buffers and signals a semaphore; no NCCL; one XLA device barrier per layer, before the
+  dispatch). CUDA GPUs only; not chosen by "auto" (BENCHMARKS.md).
 - "auto": on GPU "packed" up to ALLGATHER_MAX_TOKENS tokens per expert group, "ragged"
   above (BENCHMARKS.md); "a2a" elsewhere.
 
@@ -52,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax import ops
 
 f32 = jnp.float32
-VARIANTS = ("ragged", "a2a", "allgather", "packed", "a2a_packed", "allreduce")
+VARIANTS = ("ragged", "a2a", "allgather", "packed", "a2a_packed", "allreduce", "device")
 AXIS = "expert"
 TOKEN_AXES = ("data", "expert")
 # Measured on 2x H200, ep=2, NCCL (BENCHMARKS.md, 2026-11-30 v2): dispatch+combine per layer at
@@ -60,7 +64,9 @@ TOKEN_AXES = ("data", "expert")
 # allgather 104/114/114, a2a 103/124/805, a2a_packed 87/144/779, ragged 192/227/965. packed
 # (2 collectives) beats allgather at every size and ragged/a2a by 1.4-9x; allreduce is within
 # run-to-run noise (~20%) of it. The gathered traffic and wasted expert rows grow with ep:
-# re-measure before trusting this threshold on larger meshes.
+# re-measure before trusting this threshold on larger meshes. "device" (session 6, Mosaic GPU
+# peer writes): 41.6/49.5/53.9 us wall per layer at 1/8/64 tokens over 32 chained layers (packed
+# 68/70/71 there), GPU time 19/20/36 us; not chosen by "auto" before a decode step confirms it.
 ALLGATHER_MAX_TOKENS = 64
 # Rows per local expert call: ops.moe_experts' decode schedule (each gathered expert on every
 # row, no sort) and the Pallas moe_experts kernel both take up to 64 rows.
@@ -90,6 +96,9 @@ def unavailable(variant: str, platform: str | None = None) -> str | None:
     """Why `variant` cannot run on `platform` (default: JAX's default backend); None if it can."""
     if variant == "ragged" and (platform or jax.default_backend()) == "cpu":
         return "ragged_all_to_all does not run on XLA:CPU"
+    if variant == "device":
+        from pallas_kernels import ep_dispatch
+        return ep_dispatch.unavailable(platform)
     return None
 
 
@@ -256,9 +265,30 @@ def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens):
     return ops.combine_slots(per_slot, weights, z.dtype)
 
 
-GATHERED = ("allgather", "packed", "allreduce")  # every rank sees every token of its group
+def _device(z, ids, weights, experts, *, expert_fn, n_tokens):
+    from pallas_kernels import ep_dispatch
+    n, k = ids.shape
+    m, ep = z.shape[1], jax.lax.axis_size(AXIS)
+    num_ids = experts.num_experts * ep + 1                                      # + the padding id E
+    mine = _pack(z, ids, num_ids)
+    c = mine.shape[1]
+    # Columns padded to the kernel's tile width here, where XLA fuses the zeros into the packing.
+    mine = jnp.pad(mine, ((0, 0), (0, -c % ep_dispatch.COL_TILE)))
+    back_like = jax.ShapeDtypeStruct((ep, n * k, m), z.dtype)
+    rows, pending = ep_dispatch.exchange(mine, AXIS, reply_like=back_like)
+    y = _gathered_experts(*_unpack(rows.reshape(ep * n, -1)[:, :c], m, k, num_ids), experts, expert_fn, n_tokens)
+    # Rank q's rows for my tokens, zero on the slots q does not own: one rank non-zero per slot,
+    # so the float32 sum over ranks is exact (psum_scatter's result, bit for bit). The reply
+    # reuses the dispatch's synchronisation (no second device barrier).
+    # (The reply buffer is made before y exists: y must have z's dtype, as ops.moe_experts' output.)
+    back = ep_dispatch.reply(y.reshape(ep, n * k, -1), pending, AXIS)
+    per_slot = jnp.sum(back.astype(f32), axis=0).astype(y.dtype).reshape(n, k, -1)
+    return ops.combine_slots(per_slot, weights, z.dtype)
+
+
+GATHERED = ("allgather", "packed", "allreduce", "device")  # every rank sees every token of its group
 _IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather, "packed": _packed,
-          "a2a_packed": partial(_a2a, packed=True), "allreduce": _allreduce}
+          "a2a_packed": partial(_a2a, packed=True), "allreduce": _allreduce, "device": _device}
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
