@@ -327,12 +327,26 @@ def _load_stacked(slot: Slot, index: TensorIndex, dtype, sharding, bar) -> jax.A
     per = int(np.prod(slot.shape[1:])) * jnp.dtype(dtype).itemsize
     chunk = max(1, min(e, EXPERT_CHUNK_BYTES // max(per, 1)))
     buf = jnp.zeros(slot.shape, dtype, device=sharding)
+    scale_range = (255, 0)
     for start in range(0, e, chunk):
         names = slot.names[start:start + chunk]
         rows = np.stack([np.asarray(_from_hf(slot, n, index.read(n))).astype(dtype) for n in names])
+        if slot.path[-1].endswith("_scale"):
+            scale_range = (min(scale_range[0], int(rows.min())), max(scale_range[1], int(rows.max())))
         buf = _put_rows_jit(buf, rows, start)
         bar.update(sum(index.nbytes(n) for n in names))
+    if slot.path[-1].endswith("_scale"):
+        _check_scale_range(slot, *scale_range)
     return buf
+
+
+def _check_scale_range(slot: Slot, lo: int, hi: int) -> None:
+    """Warn when MXFP4 scale codes fall outside what the Pallas kernel decodes exactly."""
+    from pallas_kernels.moe_experts import EXACT_SCALES
+    if lo < EXACT_SCALES[0] or hi > EXACT_SCALES[1]:
+        log.warning("%s: MXFP4 scale codes span %d..%d; the Pallas moe_experts kernel is exact for %d..%d "
+                    "only (pallas_kernels.moe_experts.EXACT_SCALES): run this checkpoint with --backend xla "
+                    "or cute", "/".join(map(str, slot.path)), lo, hi, *EXACT_SCALES)
 
 
 def _validate(path: str, cfg: K3Config, slots: list[Slot], index: TensorIndex, prefix: str) -> None:

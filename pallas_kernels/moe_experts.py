@@ -110,6 +110,9 @@ SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per re
 # with two programs of 2-4 stages (budgets as measured in session 4).
 OCCUPANCY = {True: ((SMEM_PER_SM // 3, (4, 3, 2, 1)), (SMEM_PER_SM // 2, (4, 3, 2, 1)), (220 * 1024, (2, 1))),
              False: ((110 * 1024, (4, 3, 2)), (220 * 1024, (2, 1)))}
+# wgmma groups left in flight after each quad below 32 tokens (2: the next quad's decode overlaps
+# the previous quad's wgmma; from 32 tokens 0, see _dequant_mma).
+WGMMA_PENDING = 2
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)      # one value per accumulator column
@@ -272,7 +275,7 @@ def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
         # A quad's wgmma overlaps the next quad's decode while the accumulators are small; from 32
         # tokens the registers that overlap holds cost occupancy (H200, session 5: gate/up at batch
         # 32 1744 -> 1506 us with the wait, batch 1 / 8 ~2% slower with it).
-        pending = 2 if acc.shape[1] < 32 else 0
+        pending = WGMMA_PENDING if acc.shape[1] < 32 else 0
         for quad in range(QUADS):
             for h, tile in enumerate(_decode_quad(w_s, s_s, quad)):
                 plgpu.wgmma(acc, tile, x_s.at[2 * quad + h].T)

@@ -3,6 +3,7 @@ and parity with third-party implementations (fixtures from checkpoints/make_pari
 
 import base64
 import json
+import logging
 import os
 import shutil
 import struct
@@ -177,6 +178,22 @@ def test_wrong_shape_and_dtype(copy_tiny):
     msg = str(e.value)
     assert f"{n1}: wrong shape: expected [64, 64], got [64, 63]" in msg
     assert f"{n2}: wrong dtype: expected U8" in msg and "got F32" in msg
+
+
+def test_scale_codes_outside_the_kernels_exact_range_warn(copy_tiny, caplog):
+    from pallas_kernels.moe_experts import EXACT_SCALES
+    with caplog.at_level(logging.WARNING, logger="k3jax.checkpoint"):
+        load(TINY)
+    assert "scale codes" not in caplog.text
+    d = copy_tiny()
+    f = os.path.join(d, "model.safetensors")
+    name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    scale = np.array(SafetensorsFile(f).read(name))
+    scale.flat[5] = EXACT_SCALES[1] + 1
+    _rewrite(f, change={name: scale})
+    with caplog.at_level(logging.WARNING, logger="k3jax.checkpoint"):
+        load(d)
+    assert f"span {int(scale.min())}..{EXACT_SCALES[1] + 1}" in caplog.text and "--backend xla" in caplog.text
 
 
 def test_config_weights_mismatch(copy_tiny):
