@@ -327,15 +327,15 @@ def _load_stacked(slot: Slot, index: TensorIndex, dtype, sharding, bar) -> jax.A
     per = int(np.prod(slot.shape[1:])) * jnp.dtype(dtype).itemsize
     chunk = max(1, min(e, EXPERT_CHUNK_BYTES // max(per, 1)))
     buf = jnp.zeros(slot.shape, dtype, device=sharding)
-    scale_range = (255, 0)
+    is_scale, scale_range = slot.path[-1].endswith("_scale"), (255, 0)
     for start in range(0, e, chunk):
         names = slot.names[start:start + chunk]
         rows = np.stack([np.asarray(_from_hf(slot, n, index.read(n))).astype(dtype) for n in names])
-        if slot.path[-1].endswith("_scale"):
+        if is_scale:
             scale_range = (min(scale_range[0], int(rows.min())), max(scale_range[1], int(rows.max())))
         buf = _put_rows_jit(buf, rows, start)
         bar.update(sum(index.nbytes(n) for n in names))
-    if slot.path[-1].endswith("_scale"):
+    if is_scale:
         _check_scale_range(slot, *scale_range)
     return buf
 

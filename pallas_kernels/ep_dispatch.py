@@ -100,9 +100,24 @@ def _check(x, ep: int, all_to_all: bool, what: str) -> None:
         raise ValueError(f"{what} of an empty array {x.shape}")
 
 
+def _axis_size(x, axis: str, all_to_all: bool, what: str) -> int:
+    """ep = the size of `axis`, once the dispatch can run here and x has `what`'s shape."""
+    why = unavailable()
+    if why:
+        raise DeviceDispatchUnavailable(why)
+    ep = jax.lax.axis_size(axis)
+    _check(x, ep, all_to_all, what)
+    return ep
+
+
+def _padded(w: int) -> int:
+    """w rounded up to a multiple of COL_TILE."""
+    return -(-w // COL_TILE) * COL_TILE
+
+
 def _pad_cols(x):
     w = x.shape[-1]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -w % COL_TILE)]) if w % COL_TILE else x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, _padded(w) - w)]) if w % COL_TILE else x
 
 
 def exchange(x: jax.Array, axis: str, *, all_to_all: bool = False, reply_like: jax.ShapeDtypeStruct | None = None,
@@ -115,16 +130,11 @@ def exchange(x: jax.Array, axis: str, *, all_to_all: bool = False, reply_like: j
     it returns (out, Pending): the reply's buffers, allocated and zeroed here, so that the
     reply needs no barrier of its own.
     """
-    why = unavailable()
-    if why:
-        raise DeviceDispatchUnavailable(why)
-    ep = jax.lax.axis_size(axis)
-    _check(x, ep, all_to_all, "exchange")
+    ep = _axis_size(x, axis, all_to_all, "exchange")
     w = x.shape[-1]
     if reply_like is not None:
         _check(reply_like, ep, True, "reply")
-        reply_like = jax.ShapeDtypeStruct((*reply_like.shape[:-1], -(-reply_like.shape[-1] // COL_TILE) * COL_TILE),
-                                          reply_like.dtype)
+        reply_like = jax.ShapeDtypeStruct((*reply_like.shape[:-1], _padded(reply_like.shape[-1])), reply_like.dtype)
     outs = _exchange_kernel(_pad_cols(x), axis, ep, all_to_all, num_blocks, reply_like)
     out = outs[0][..., :w]
     return out if reply_like is None else (out, Pending(*outs[1:]))
@@ -134,11 +144,7 @@ def reply(y: jax.Array, pending: Pending, axis: str, *, num_blocks: int | None =
     """The all_to_all `exchange` of y [ep, R, W] into `pending`'s buffer, without XLA's device
     barrier: every peer reached the exchange that made `pending` (it zeroed the counters first),
     so no peer's signal can be lost and its buffer is allocated. -> [ep, R, W]."""
-    why = unavailable()
-    if why:
-        raise DeviceDispatchUnavailable(why)
-    ep = jax.lax.axis_size(axis)
-    _check(y, ep, True, "reply")
+    ep = _axis_size(y, axis, True, "reply")
     w = y.shape[-1]
     y = _pad_cols(y)
     if y.shape != pending.buf.shape or y.dtype != pending.buf.dtype:
