@@ -351,14 +351,18 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     which sorts last and matches no token; coef [size, N] float32: the routing weight where token n
     chose expert uniq[u], else 0).
     """
-    # A presence mask and one top_k (keys E - id: ascending ids first, absent experts key 0) give
-    # jnp.unique's result in fewer XLA kernels (9 fusions against 21 on XLA:CPU): at decode this
-    # glue runs once per MoE layer, and its launches are a measurable part of a small-model step.
-    present = jnp.zeros((num_experts + 1,), bool).at[ids.reshape(-1)].set(True)[:num_experts]
-    keys, _ = jax.lax.top_k(jnp.where(present, num_experts - jnp.arange(num_experts, dtype=jnp.int32), 0),
-                            min(size, num_experts))
-    uniq = jnp.where(keys > 0, num_experts - keys, num_experts).astype(jnp.int32)
-    uniq = jnp.pad(uniq, (0, size - uniq.shape[0]), constant_values=num_experts)
+    # Sort-free: the first occurrence of each valid id, its rank among the distinct ids (how many
+    # distinct ids are smaller), and uniq[u] = the id of rank u. Three small reductions over the
+    # N*k selections: at decode this glue runs once per MoE layer, and XLA:GPU's sort kernel for a
+    # top_k over the experts alone cost more than the whole of it.
+    flat = ids.reshape(-1)
+    pos = jnp.arange(flat.shape[0])
+    same = flat[None, :] == flat[:, None]                                  # [p, q]
+    first = (flat < num_experts) & ~jnp.any(same & (pos[None, :] < pos[:, None]), axis=1)
+    rank = jnp.sum(first[None, :] & (flat[None, :] < flat[:, None]), axis=1)
+    slot = jnp.arange(size, dtype=rank.dtype)
+    uniq = jnp.min(jnp.where(first[None, :] & (rank[None, :] == slot[:, None]), flat[None, :], num_experts),
+                   axis=1, initial=num_experts).astype(jnp.int32)
     coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights, precision=EXACT)
     return uniq, coef
 
