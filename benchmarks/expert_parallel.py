@@ -12,7 +12,7 @@ batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_paralle
 expert math replaced by the identity (routing bookkeeping, the collectives there and back, the
 weighted combine); "EP MoE" runs the real MXFP4 experts (ops.moe_experts per rank). Both are
 timed as a fori_loop over `--layers` chained layers inside one jit (no host dispatch between
-layers), median of `--repeats`, divided by the layer count; on GPU the CUPTI kernel sum per GPU
+layers; `--unroll`: the layers unrolled, as a decode step has them), median of `--repeats`, divided by the layer count; on GPU the CUPTI kernel sum per GPU
 and the kernels that take the most time show where dispatch+combine time goes. Every variant's
 output is first checked against ops.moe_experts on one device holding all experts
 (`--dispatch-only`: against an id-dependent elementwise stand-in for the experts, and no MXFP4
@@ -72,13 +72,15 @@ def timed(fn, *args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def chained(layer_fn, n_layers: int):
-    """n_layers calls of layer_fn(z) -> [N, M] inside one jit, each feeding the next."""
+def chained(layer_fn, n_layers: int, unroll: bool = False):
+    """n_layers calls of layer_fn(z) -> [N, M] inside one jit, each feeding the next: a fori_loop,
+    or (unroll) n_layers copies in the program, as a decode step has its layers - XLA:GPU then
+    launches every layer's kernels without a loop-predicate round trip to the host in between."""
     def run(z, *rest):
         def body(_, z):
             out = layer_fn(z, *rest)
             return (z.astype(jnp.float32) + 1e-3 * out.astype(jnp.float32)).astype(z.dtype)
-        return jax.lax.fori_loop(0, n_layers, body, z)
+        return jax.lax.fori_loop(0, n_layers, body, z, unroll=unroll or None)
     return jax.jit(run)
 
 
@@ -134,7 +136,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
             single_local = None
             if not (a.cpu_smoke or a.dispatch_only):  # one GPU, the same per-rank expert math over E/ep experts
                 local = jax.tree.map(lambda x: x[: e // ep], experts)
-                single_local = timed(chained(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT), a.layers),
+                single_local = timed(chained(lambda z, i, w, ex: ops.moe_experts(z, i, w, ex, **ACT), a.layers, a.unroll),
                                      z, ids % (e // ep), w, local, repeats=a.repeats) / a.layers
                 del local
             for variant in a.variants.split(","):
@@ -178,12 +180,12 @@ def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
 
     def layer(expert_fn):
         return lambda z, i, w, ex: moe_parallel.moe_experts(z, i, w, ex, variant=variant, expert_fn=expert_fn, **ACT)
-    out = {}
+    out = {"unrolled": a.unroll}
     with jax.set_mesh(mesh):
         zb, ib, wb = (jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in ziw)
         got = np.asarray(jax.jit(layer(tagged_expert if a.dispatch_only else None))(zb, ib, wb, experts), np.float32)
         out["rel_err_vs_single_device"] = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
-        run = chained(layer(ident), a.layers)
+        run = chained(layer(ident), a.layers, a.unroll)
         out["dispatch_combine_us"] = timed(run, zb, ib, wb, experts, repeats=a.repeats) / a.layers * 1e6
         if jax.default_backend() == "gpu":
             kt = bench._kernel_times(lambda _: run(zb, ib, wb, experts), a.repeats)
@@ -192,7 +194,7 @@ def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
                 out["kernel_us_per_gpu"] = kt[0] * 1e6 / per
                 out["top_kernels_us_per_gpu"] = [[name, s * 1e6 / per] for name, s in kt[1]]
         if not a.dispatch_only:
-            out["ep_moe_us"] = timed(chained(layer(None), a.layers), zb, ib, wb, experts,
+            out["ep_moe_us"] = timed(chained(layer(None), a.layers, a.unroll), zb, ib, wb, experts,
                                      repeats=a.repeats) / a.layers * 1e6
     return out
 
@@ -252,6 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,8,64,256", help="tokens per step, both phases")
     p.add_argument("--variants", default=",".join(moe_parallel.VARIANTS), help="layer phase dispatch variants")
     p.add_argument("--layers", type=int, default=8, help="chained layers per timed call")
+    p.add_argument("--unroll", action="store_true", help="chained layers unrolled (as in a decode step), not a fori_loop")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top-kernels", type=int, default=0, help="summary: the N costliest kernels of each layer row")
     p.add_argument("--step-mesh", default=None, help="step phase mesh (default: ep=<largest --ep>; '' = no step phase)")

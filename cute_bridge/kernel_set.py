@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from k3jax import mxfp4
+
 Dim = int | str
 
 
@@ -61,8 +63,10 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
         divisibility=(("K", 8),))
 
 
-# MXFP4 codes travel as int32 words (8 codes each) so a lane loads a scale group in 16 bytes; the
-# activations (z, hid) come with their columns in decode order (cute_bridge.ops.permute_x).
+# MXFP4 codes travel as int32 words (8 codes each) so a lane copies a scale group in 16 bytes; the
+# activations (z, hid) come with their columns in decode order (cute_bridge.ops.permute_x) and
+# times 2^MOE_X_EXP (the decode's weights carry 2^-MOE_X_EXP; kernels/mxfp4_moe.py).
+MOE_X_EXP = mxfp4.DECODE_X_EXP
 MOE_KERNELS = (
     KernelSpec(
         name="moe_gate_up", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
@@ -104,7 +108,7 @@ def kernel_set_hash() -> str:
     import pathlib
     root = pathlib.Path(__file__).parent
     files = sorted([root / f for f in _HASHED] + list((root / "kernels").glob("*.py")))
-    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}".encode())
+    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}|{MOE_X_EXP}|{mxfp4.DECODE_FACTOR_BIAS}".encode())
     for f in files:
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -9,7 +9,9 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 gemv_split_r* over k_splits(N, K) slices of K with XLA summing the float32 partials.
   moe_experts:  MXFP4 experts, bf16 z [N, M], M and I multiples of 32 -> moe_gate_up, then
                 k3jax.ops.glu in XLA (the one formula), then moe_down (each slot's weighted output,
-                float32), summed over each token's k slots in XLA.
+                float32), summed over each token's k slots in XLA. The kernels take the activations
+                permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64); exact for
+                scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from cute_bridge import loader
-from cute_bridge.kernel_set import GEMV_ROWS
+from cute_bridge.kernel_set import GEMV_ROWS, MOE_X_EXP
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
 
@@ -99,10 +101,11 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
     flat_ids = ids.reshape(-1).astype(jnp.int32)
-    gate, up = loader.call("moe_gate_up", permute_x(z), flat_ids, _words(experts.w1), experts.s1,
+    x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
+    gate, up = loader.call("moe_gate_up", permute_x(z) * x_scale, flat_ids, _words(experts.w1), experts.s1,
                            _words(experts.w3), experts.s3)
     hid = ops.glu(gate, up, act, beta, linear_beta)
-    (part,) = loader.call("moe_down", permute_x(hid), flat_ids, weights.reshape(-1).astype(jnp.float32),
+    (part,) = loader.call("moe_down", permute_x(hid) * x_scale, flat_ids, weights.reshape(-1).astype(jnp.float32),
                           _words(experts.w2), experts.s2)
     return part.reshape(n, -1, m).sum(1).astype(z.dtype)    # the reference's float32 combine
 

@@ -341,12 +341,11 @@ def _load_stacked(slot: Slot, index: TensorIndex, dtype, sharding, bar) -> jax.A
 
 
 def _check_scale_range(slot: Slot, lo: int, hi: int) -> None:
-    """Warn when MXFP4 scale codes fall outside what the Pallas kernel decodes exactly."""
-    from pallas_kernels.moe_experts import EXACT_SCALES
-    if lo < EXACT_SCALES[0] or hi > EXACT_SCALES[1]:
-        log.warning("%s: MXFP4 scale codes span %d..%d; the Pallas moe_experts kernel is exact for %d..%d "
-                    "only (pallas_kernels.moe_experts.EXACT_SCALES): run this checkpoint with --backend xla "
-                    "or cute", "/".join(map(str, slot.path)), lo, hi, *EXACT_SCALES)
+    """Warn when MXFP4 scale codes fall outside what the GPU kernels decode exactly."""
+    if lo < mxfp4.DECODE_EXACT_SCALES[0] or hi > mxfp4.DECODE_EXACT_SCALES[1]:
+        log.warning("%s: MXFP4 scale codes span %d..%d; the Pallas and CuTe moe_experts kernels are exact for "
+                    "%d..%d only (k3jax.mxfp4.DECODE_EXACT_SCALES): run this checkpoint with --backend xla",
+                    "/".join(map(str, slot.path)), lo, hi, *mxfp4.DECODE_EXACT_SCALES)
 
 
 def _validate(path: str, cfg: K3Config, slots: list[Slot], index: TensorIndex, prefix: str) -> None:

@@ -19,6 +19,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)  # code -> value
 _E2M1_MAX_EXP = 2            # 6 = 1.5 * 2^2: the largest E2M1 exponent
 SCALE_BIAS = 127
+# The GPU kernels' decode (Pallas and CuTe moe_experts): a code's bits placed in a bf16 read as
+# E2M1 x 2^-126, one fma by the group's factor 2^(scale - 1 - DECODE_X_EXP) gives the weight times
+# 2^-DECODE_X_EXP, and the activations enter times 2^DECODE_X_EXP (exact in bf16), so every product
+# is the reference's. Exact for scale codes DECODE_EXACT_SCALES (59..192: below, a product's lowest
+# bit drops under bf16's smallest subnormal 2^-133; above, the factor's exponent field passes 254)
+# and activations below 2^64 in magnitude.
+DECODE_X_EXP = 64
+DECODE_FACTOR_BIAS = 126 - DECODE_X_EXP          # the factor's bf16 exponent field = scale + this
+DECODE_EXACT_SCALES = (DECODE_X_EXP - 5, 254 - DECODE_FACTOR_BIAS)
 
 
 def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:

@@ -172,15 +172,10 @@ def _k_tiles(x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ the word decode (PTX)
-# The kernel takes the activations times 2^X_EXP and the weights times 2^-X_EXP (both exact in
-# bf16; the wgmma products are unchanged), so one fma by 2^(scale - 1 - X_EXP) turns a code's bits
-# (E2M1 x 2^-126) into its weight: 2^126 would not fit a bf16 scale factor beside 2^(scale - 127).
-# Exact for scale codes EXACT_SCALES (2^-68 .. 2^65; below, products drop under bf16's smallest
-# subnormal; above, the factor overflows) and activations below 2^64 in magnitude.
-X_EXP = 64
-SCALE_BIAS = 126 - X_EXP               # bf16 exponent field of the factor = scale code + SCALE_BIAS
-# (59, 192): the lowest bit of E2M1 * 2^(scale - 127 - X_EXP) is >= 2^-133; the field is <= 254.
-EXACT_SCALES = (X_EXP - 5, 254 - SCALE_BIAS)
+# The one-fma decode and its exact range: k3jax.mxfp4.DECODE_* (shared with the CuTe kernels).
+X_EXP = mxfp4.DECODE_X_EXP
+SCALE_BIAS = mxfp4.DECODE_FACTOR_BIAS
+EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES
 
 
 def _pair(src: str, a: int, out: str) -> tuple:

@@ -181,7 +181,7 @@ def test_wrong_shape_and_dtype(copy_tiny):
 
 
 def test_scale_codes_outside_the_kernels_exact_range_warn(copy_tiny, caplog):
-    from pallas_kernels.moe_experts import EXACT_SCALES
+    from k3jax.mxfp4 import DECODE_EXACT_SCALES as EXACT_SCALES
     with caplog.at_level(logging.WARNING, logger="k3jax.checkpoint"):
         load(TINY)
     assert "scale codes" not in caplog.text

@@ -165,29 +165,6 @@ def _run_decode_ptx(ptx: str, regs: dict) -> dict:
     return regs
 
 
-def test_mxfp4_decode_matches_dequantize():
-    """The PTX decode of every code in every word position, times every scale byte from 2 (XLA
-    flushes scale 1's bf16 subnormals to zero) to 251 (beyond, 6 x scale overflows), gives
-    mxfp4.dequantize's bf16 values in the pair order the kernels assume: pair a = codes a, a + 4."""
-    pytest.importorskip("cutlass", reason="needs the `cute` extra (nvidia-cutlass-dsl)")
-    from cute_bridge.kernels import mxfp4_moe as mk
-    from k3jax import mxfp4
-    rng = np.random.default_rng(0)
-    scales = np.arange(2, 252, dtype=np.uint32)
-    words = rng.integers(0, 2**32, (scales.size, 64), dtype=np.uint64).astype(np.uint32)
-    words[:, :16] = np.arange(16, dtype=np.uint32) * 0x11111111     # every code everywhere
-    s = np.broadcast_to(scales[:, None], words.shape)
-    regs = {"$4": words, "$5": np.full_like(words, mk.TWO_126), "$6": s * 0x00800080}
-    out = _run_decode_ptx(mk.decode_word_ptx(), regs)
-    got = np.stack([out[f"${a}"] for a in range(4)], -1)                     # [scale, word, pair]
-    got = np.stack([got & 0xFFFF, got >> 16], -1).astype(np.uint16)          # [..., pair, half]
-    packed = words.view(np.uint8).reshape(scales.size, 64 * 4)
-    ref = np.asarray(mxfp4.dequantize(jnp.asarray(packed[:, None, :]), jnp.asarray(
-        np.repeat(scales[:, None, None], 64 * 8 // 32, -1).astype(np.uint8)), jnp.bfloat16))[:, 0]
-    ref = ref.reshape(scales.size, 64, 2, 4).transpose(0, 1, 3, 2).view(np.uint16)   # col 4h + a -> [a, h]
-    np.testing.assert_array_equal(got, ref)
-
-
 def test_permute_x_is_the_decode_pair_order():
     """permute_x puts columns 8j + a and 8j + a + 4 side by side, in pair order a = 0..3."""
     from cute_bridge.ops import permute_x

@@ -1,5 +1,6 @@
 """Every CuTe kernel against its k3jax.ops reference on the GPU (run with K3JAX_GPU_TESTS=1 and the
-library built: `python -m cute_bridge.build`, then carry cute_bridge/_build/libk3cute.so)."""
+library built: `python -m cute_bridge.build`, then carry cute_bridge/_build/libk3cute.so), and the
+MoE kernels' decode program against mxfp4.dequantize on the CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 
 from k3jax import mxfp4, ops
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 # bf16 outputs of float32 sums in another order: ~2^-9 per element after rounding; the MoE path
 # rounds twice (expert outputs, then the combine) and runs the GLU on rounded inputs.
 TOL = {"linear": 1e-2, "moe_experts": 2e-2}
@@ -26,6 +27,7 @@ def _poison(shape, dtype):
     jnp.full(shape, jnp.nan, dtype).block_until_ready().delete()
 
 
+@gpu
 def test_add():
     from cute_bridge import loader
     x, y = (jax.random.normal(jax.random.key(i), (1000,), jnp.float32) for i in range(2))
@@ -34,6 +36,7 @@ def test_add():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x + y))
 
 
+@gpu
 @pytest.mark.parametrize("lead,n,k", [((1,), 24, 64), ((3,), 100, 200), ((1, 1), 1536, 7168),
                                       ((5,), 4097, 1032), ((2, 4), 7168, 12288), ((2,), 33, 8),
                                       ((7,), 700, 1000), ((1,), 28672, 136)])
@@ -46,6 +49,7 @@ def test_linear(lead, n, k):
         assert _rel(jax.jit(cute_ops.linear)(x, w), ops.linear(x, w)) < TOL["linear"]
 
 
+@gpu
 @pytest.mark.parametrize("rows,n,k,splits", [(1, 40, 72, 5), (8, 1536, 7168, 6), (4, 100, 200, 1)])
 def test_gemv_split_partials(rows, n, k, splits):
     """The K-split kernel writes every partial (slices past K's end are zeros) and they sum to y."""
@@ -57,9 +61,10 @@ def test_gemv_split_partials(rows, n, k, splits):
     assert _rel(part.sum(0), ops.linear(x, w).astype(jnp.float32)) < TOL["linear"]
 
 
+@gpu
 @pytest.mark.parametrize("n,top_k,e,m,inter,scale_exp", [
     (1, 4, 16, 32, 32, -7), (3, 8, 32, 256, 96, -7), (1, 16, 448, 3584, 3072, -7),
-    (5, 16, 64, 3584, 3072, -7), (2, 4, 16, 512, 160, 2)])      # scale bytes 128..130: 2^(s-1) overflows bf16
+    (5, 16, 64, 3584, 3072, -7), (2, 4, 16, 512, 160, 2)])      # scale bytes 128..130 (bf16 2^(s-1) would overflow)
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_experts(n, top_k, e, m, inter, scale_exp, act):
     from cute_bridge import ops as cute_ops
@@ -77,6 +82,7 @@ def test_moe_experts(n, top_k, e, m, inter, scale_exp, act):
     assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
 
 
+@gpu
 def test_per_step_ids_in_one_compiled_loop():
     """Expert ids change per step as device values inside one jitted scan (graph-safe contract)."""
     from cute_bridge import ops as cute_ops
@@ -96,3 +102,31 @@ def test_per_step_ids_in_one_compiled_loop():
             return (y / (jnp.abs(y).max() + 1e-3)).astype(z.dtype), y
         return jax.jit(lambda z: jax.lax.scan(step, z, steps_ids)[1])(z0)
     assert _rel(run(cute_ops.moe_experts), run(ops.moe_experts)) < 5 * TOL["moe_experts"]
+
+
+def test_mxfp4_one_fma_decode_exact_range():
+    """The kernels' decode (one fma by 2^(s - 1 - X_EXP)) of every code in every word position,
+    times 2^X_EXP, equals mxfp4.dequantize's bf16 values for every scale byte in EXACT_SCALES and
+    scale byte 0, in the pair order the kernels assume (pair a = codes a, a + 4); one byte past
+    either end it does not (the range is tight). Runs the numpy PTX model of test_cute_bridge."""
+    pytest.importorskip("cutlass", reason="needs the `cute` extra (nvidia-cutlass-dsl)")
+    import ml_dtypes
+    from test_cute_bridge import _run_decode_ptx
+    from cute_bridge.kernels import mxfp4_moe as mk
+    lo, hi = mk.EXACT_SCALES
+    scales = np.array([0, lo - 1, *range(lo, hi + 1), hi + 1], np.uint32)
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, (scales.size, 32), dtype=np.uint64).astype(np.uint32)
+    words[:, :16] = np.arange(16, dtype=np.uint32) * 0x11111111     # every code everywhere
+    factor = np.where(scales > 0, (scales + mk.FACTOR_BIAS) * 0x00800080, 0).astype(np.uint32)
+    with np.errstate(invalid="ignore"):         # past the top the factor is inf: inf x 0 codes
+        out = _run_decode_ptx(mk.decode_word_ptx(), {"$4": words, "$5": np.broadcast_to(factor[:, None], words.shape)})
+    got = np.stack([out[f"${a}"] for a in range(4)], -1)                     # [scale, word, pair]
+    got = np.stack([got & 0xFFFF, got >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
+    packed = words.view(np.uint8).reshape(scales.size, 32 * 4)
+    ref = np.asarray(mxfp4.dequantize(jnp.asarray(packed[:, None, :]), jnp.asarray(
+        np.repeat(scales[:, None, None], 32 * 8 // 32, -1).astype(np.uint8)), jnp.bfloat16))[:, 0]
+    ref = ref.reshape(scales.size, 32, 2, 4).transpose(0, 1, 3, 2)          # col 4h + a -> [a, h]
+    exact = np.all(got.astype(np.float64) * 2.0 ** mk.X_EXP == ref.astype(np.float64), axis=(1, 2, 3))
+    assert exact[0] and exact[2:-1].all(), "decode not exact inside EXACT_SCALES"
+    assert not exact[1] and not exact[-1], "EXACT_SCALES is not tight"

@@ -9,27 +9,41 @@ rows of one slot's expert, its four warps split the input dimension in chunks of
 scale groups, and each warp multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate): the
 decoded weight rows are the A operand, the slot's activation row the B operand (all 8 columns
 the same row; column 0 is stored). Lane (g = lane / 4, q = lane % 4) takes group q of a chunk in
-rows g and g + 8: one 16-byte load of codes (4 words of 8 codes) and one scale byte per row.
+rows g and g + 8: 16 bytes of codes (4 words of 8 codes) and one scale byte per row.
+
+Streaming: each warp has a STAGES-deep ring of its own in shared memory. Per chunk every lane
+issues `cp.async` of its 2 x 16 bytes of codes and 8 of the chunk's 256 bytes of activations,
+and loads its two scale bytes into registers, STAGES chunks ahead of the decode; the decode
+waits for the chunk's group (`cp.async.wait_group`), reads the slot back (16-byte `ld.shared`,
+the four x groups 80 bytes apart so the q lanes hit distinct banks) and refills it. Warp syncs
+order the lanes' copies and reads (no block barrier until the final sum). The gate and up blocks
+run one copy of the loop on selected base addresses. Measured on the H200 (session 7, batch 1):
+the ring alone gained ~1% over session 6's register loads, deeper rings lost (4 stages 7%,
+8 stages 24%: occupancy and code size), a copy of the loop per matrix was 2.5% slower: bytes in
+flight are not the limit, instructions (issue, fetch) are the suspects.
 
 Decode by bit placement, two codes per 32-bit op: the bf16 bits (sign << 15) | (e1 e0 m << 6) of
 an E2M1 code are its value x 2^-126 exactly (a bf16 subnormal for e = 0, as E2M1's own). For the
 code pair (a, a + 4) of a word (nibbles a and a + 4, a = 0..3; a = 2, 3 from the word shifted by
 8): and isolates the two nibbles, one integer multiply by (2^(12-4a) + 2^(6-4a)) places the sign
 and magnitude copies (they do not overlap, so the product is the or of two shifts), and the mask
-0x81C081C0 keeps sign and magnitude: 3 integer ops per pair. Two exact `fma.rn.bf16x2`, by 2^126
-and by the scale 2^(s-127), give the reference's dequantised bf16 pair for every scale byte. (One
-fma by 2^(s-1), exact only up to s = 128, measured no faster: the kernels are not issue-bound.)
+0x81C081C0 keeps sign and magnitude: 3 integer ops per pair. One exact `fma.rn.bf16x2` by the
+group's factor 2^(s - 1 - X_EXP) gives the weight times 2^-X_EXP; the activations enter times
+2^X_EXP (`cute_bridge.ops`), so every MMA product equals the reference's (a bf16 factor cannot
+hold 2^126 beside the scale). Exact for scale bytes EXACT_SCALES = [59, 192] (weights 2^-68 ..
+2^65 per group; random and real MXFP4 weights sit near 2^-7) and activations below 2^64, as the
+Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the reference. Versus
+the exact-everywhere two-fma decode (by 2^126, then by 2^(s-127): `decode_word_ptx(False)`),
+3% faster at batch 1 and 4% at batch 8 (session 7). In gate_up, words alternate between two C
+fragments (two independent MMA chains, summed at the end).
 
 The decoded pairs hold input columns (8k + a, 8k + a + 4) of word k, so the activations come in
 that order: `cute_bridge.ops.permute_x` regroups each 8 columns (0, 4, 1, 5, 2, 6, 3, 7) in XLA
-(a few KB; for the down projection it fuses into the GLU), and one 16-byte load then gives a
+(a few KB; for the down projection it fuses into the GLU), and one 16-byte read then gives a
 word's four activation pairs (in-kernel `prmt` regrouping measured 3% slower at batch 1, 8% at
 batch 8). The MMA sums over the same columns in another order; every product is exact in fp32
-(as the reference's bf16 x bf16 products), only the summation order differs. Each warp has the
-codes and activations of UNROLL chunks in flight before it decodes the first (measured on the
-H200, session 6: loading the activations at the decode instead, with 3-4 chunks of codes in
-flight, was 13% slower). Expert ids and routing weights are device
-tensors: one compiled graph serves every step.
+(as the reference's bf16 x bf16 products), only the summation order differs. Expert ids and
+routing weights are device tensors: one compiled graph serves every step.
 """
 
 from __future__ import annotations
@@ -40,88 +54,150 @@ import cuda.bindings.driver as cuda
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from cute_bridge.kernel_set import MOE_X_EXP as X_EXP
+from k3jax import mxfp4
 from cute_bridge.kernels.gemv import LANES, TILE, WARPS, mma_bf16_16816
 
-GROUP = 32              # values per UE8M0 scale: one 16-byte load of codes
+GROUP = 32              # values per UE8M0 scale: 16 bytes of codes
 CHUNK_GROUPS = 4        # groups per chunk, one per lane q
 PAIR_BITS = 0x81C081C0  # sign and magnitude bits of two bf16 codes
-TWO_126 = 0x7E807E80    # bf16 2^126 in both halves
 NEG_ZERO2 = 0x80008000  # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
-UNROLL = 2              # chunks per warp with their codes and activations in flight before the decode
+FACTOR_BIAS = mxfp4.DECODE_FACTOR_BIAS    # bf16 exponent field of the factor = scale byte + FACTOR_BIAS
+EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3jax.mxfp4)
+STAGES = 2              # chunks per warp in flight ahead of the decode
+STAGE_BYTES = 1024 + 4 * 80   # per warp and stage: codes of rows g, g + 8 (512 B each), 4 x groups of 64 B, 80 apart
+X_OFF = 1024            # the activations' offset in a stage
+# Independent MMA accumulator chains per warp (session 7, H200: two made gate_up 2.6% faster and
+# down 9% slower at batch 1, 2.6% / 7% at batch 8).
+GATE_UP_ACCS, DOWN_ACCS = 2, 1
 
 
 def decode_word_ptx() -> str:
     """PTX: $0..$3 = the scaled bf16 pairs (codes a, a + 4), a = 0..3, of word $4 (codes c0..c7
-    in nibbles 0..7); $5 = bf16x2 2^126, $6 = bf16x2 scale 2^(s-127) (0 for s = 0, as the
-    reference). Per pair: and, mul, and (the bit placement), two exact fmas."""
-    lines = ["{", ".reg .b32 t, n, u, nz;", f"mov.b32 nz, 0x{NEG_ZERO2:08X};", "shr.u32 t, $4, 8;"]
+    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1 - X_EXP) (0 for s = 0); per pair and, mul, and
+    (the bit placement) and one fma."""
+    lines = ["{", ".reg .b32 t, n, nz;", f"mov.b32 nz, 0x{NEG_ZERO2:08X};", "shr.u32 t, $4, 8;"]
     for out, (src, a) in enumerate((("$4", 0), ("$4", 1), ("t", 0), ("t", 1))):
         lines += [f"and.b32 n, {src}, 0x{0x000F000F << 4 * a:08X};",
                   f"mul.lo.u32 n, n, 0x{(1 << 12 - 4 * a) + (1 << 6 - 4 * a):X};",
-                  f"and.b32 n, n, 0x{PAIR_BITS:08X};",
-                  "fma.rn.bf16x2 u, n, $5, nz;", f"fma.rn.bf16x2 ${out}, u, $6, nz;"]
+                  f"and.b32 n, n, 0x{PAIR_BITS:08X};"]
+        lines.append(f"fma.rn.bf16x2 ${out}, n, $5, nz;")
     return "\n\t".join(lines + ["}"])
 
 
 @dsl_user_op
-def _decode_word(word, scale2, *, loc=None, ip=None):
-    """8 codes (Int32) and the group's bf16x2 scale -> 4 Int32 bf16 pairs (see module doc)."""
-    ins = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (word, TWO_126, scale2)]
+def _decode_word(word, factor, *, loc=None, ip=None):
+    """8 codes (Int32) and the group's bf16x2 factor -> 4 Int32 bf16 pairs (see module doc)."""
+    ins = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (word, factor)]
     res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), ins, decode_word_ptx(),
-                          "=r,=r,=r,=r,r,r,r")
+                          "=r,=r,=r,=r,r,r")
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _load_chunk(w: cute.Tensor, s: cute.Tensor, x: cute.Tensor, e, r0, xrow, chunk, q):
-    """Lane q's group of `chunk` in rows r0 and r0 + 8: (codes of row r0, codes of row r0 + 8 as
-    4 Int32 words each, the bf16x2 scale 2^(s-127) of each row (0 for a group past the end), the
-    group's activations as 4 x 4 Int32 pairs in decode order)."""
-    groups = s.shape[2]
-    grp = chunk * CHUNK_GROUPS + q
-    valid = cutlass.Int32(grp < groups)
-    grp = cutlass.min(grp, groups - 1)
-    wv = cute.zipped_divide(w, (1, 1, 4))
-    xv = cute.zipped_divide(x, (1, 8))
-    # Words as scalars here, before any branch: a TensorSSA caches its layout on first indexing.
-    codes = [wv[(None, (e, r, grp))].load() for r in (r0, r0 + 8)]
-    codes = [[v[i] for i in range(4)] for v in codes]
-    scales = [cutlass.Int32(s[e, r, grp]) * valid * 0x00800080 for r in (r0, r0 + 8)]
-    xs = [xv[(None, (xrow, grp * (GROUP // 8) + k))].load().bitcast(cutlass.Int32) for k in range(4)]
-    return codes, scales, [[v[i] for i in range(4)] for v in xs]
-
-
-def _mma_chunk(loaded, acc: cute.Tensor):
-    """acc += the chunk's 16 rows x 4 groups (2 MMAs per word)."""
-    codes, scales, xs = loaded
-    d = [acc[0], acc[1], acc[2], acc[3]]
+def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
+    """acc += the chunk's 16 rows x 4 groups (2 MMAs per word; words alternate between the accs
+    C fragments acc[4a:4a+4])."""
+    d = [[acc[4 * a + i] for i in range(4)] for a in range(accs)]
     for k in range(4):
-        top = _decode_word(codes[0][k], scales[0])          # row g
-        bot = _decode_word(codes[1][k], scales[1])          # row g + 8
+        top = _decode_word(codes[0][k], factors[0])          # row g
+        bot = _decode_word(codes[1][k], factors[1])          # row g + 8
         xw = xs[k]
-        d = mma_bf16_16816((top[0], bot[0], top[1], bot[1]), (xw[0], xw[1]), d)
-        d = mma_bf16_16816((top[2], bot[2], top[3], bot[3]), (xw[2], xw[3]), d)
-    for i in range(4):
-        acc[i] = d[i]
+        a = k % accs
+        d[a] = mma_bf16_16816((top[0], bot[0], top[1], bot[1]), (xw[0], xw[1]), d[a])
+        d[a] = mma_bf16_16816((top[2], bot[2], top[3], bot[3]), (xw[2], xw[3]), d[a])
+    for a in range(accs):
+        for i in range(4):
+            acc[4 * a + i] = d[a][i]
+
+
+@dsl_user_op
+def _cp_async(dst, src, nbytes: int, *, loc=None, ip=None):
+    """cp.async of nbytes (16: L2 only; 8: through L1) from global address src to shared address dst."""
+    mode = "cg" if nbytes == 16 else "ca"
+    llvm.inline_asm(None, [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip)],
+                    f"cp.async.{mode}.shared.global [$0], [$1], {nbytes};", "r,l", has_side_effects=True)
+
+
+@dsl_user_op
+def _lds128(addr, *, loc=None, ip=None):
+    """16 bytes at shared address addr as 4 Int32."""
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)],
+                          "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", has_side_effects=True)
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _ldg_u8(addr, *, loc=None, ip=None):
+    """The byte at global address addr, zero-extended to Int32."""
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
+                                         "ld.global.nc.u8 $0, [$1];", "=r,l", has_side_effects=True))
 
 
 @cute.jit
-def _expert_tile(w: cute.Tensor, s: cute.Tensor, x: cute.Tensor, e, row0, xrow, acc: cute.Tensor):
-    """acc (the MMA's C fragment) += this warp's chunks of dequant(w[e, row0:row0+16]) @ x[xrow]
-    (x's columns in decode order)."""
+def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.Tensor,
+                 accs: cutlass.Constexpr):
+    """acc (accs C fragments, summed into acc[0:4] at the end) += this warp's chunks of dequant(w[e, row0:row0+16]) @ x[xrow] for
+    int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb
+    ([E, rows, groups]); x's columns in decode order, times 2^X_EXP."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
     q = lane % 4
     r0 = row0 + lane // 4
-    chunks = (s.shape[2] + CHUNK_GROUPS - 1) // CHUNK_GROUPS
+    cols = x.shape[1]
+    chunks = (groups + CHUNK_GROUPS - 1) // CHUNK_GROUPS
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
-    main = count - count % UNROLL
-    for j0 in cutlass.range(0, main, UNROLL):
-        loaded = [_load_chunk(w, s, x, e, r0, xrow, warp + (j0 + u) * WARPS, q) for u in range(UNROLL)]
-        for u in cutlass.range_constexpr(UNROLL):
-            _mma_chunk(loaded[u], acc)
-    for j in cutlass.range(main, count):
-        _mma_chunk(_load_chunk(w, s, x, e, r0, xrow, warp + j * WARPS, q), acc)
+    smem = cutlass.memory.SmemAllocator()
+    ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * STAGE_BYTES // 4,)),
+                                16).iterator.toint() + warp * (STAGES * STAGE_BYTES)
+    top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
+    bot = top + cutlass.Int64(8 * groups * 16)
+    s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
+    s_bot = s_top + cutlass.Int64(8 * groups)
+    xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
+    x_dst = X_OFF + (lane // 8) * 80 + (lane % 8) * 8     # this lane's 8 bytes of the chunk's x
+    raw = cute.make_rmem_tensor((2 * STAGES,), cutlass.Int32)   # scale bytes of rows g, g + 8 per slot
+
+    # Issue chunk c into slot u. Groups past the end are clamped (their factor is zeroed).
+    for u in cutlass.range_constexpr(STAGES):
+        if u < count:
+            c = warp + u * WARPS
+            grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
+            slot = ring + u * STAGE_BYTES
+            _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
+            _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
+            _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8)
+            raw[2 * u] = _ldg_u8(s_top + cutlass.Int64(grp))
+            raw[2 * u + 1] = _ldg_u8(s_bot + cutlass.Int64(grp))
+        cute.arch.cp_async_commit_group()
+    for j0 in cutlass.range(0, count, STAGES):
+        for u in cutlass.range_constexpr(STAGES):
+            j = j0 + u
+            if j < count:
+                # Groups committed so far: STAGES + j; all but the newest STAGES - 1 done = chunk j.
+                cute.arch.cp_async_wait_group(STAGES - 1)
+                cute.arch.sync_warp()                      # every lane's copies of slot u visible
+                slot = ring + u * STAGE_BYTES
+                codes = [_lds128(slot + lane * 16), _lds128(slot + 512 + lane * 16)]
+                xs = [_lds128(slot + X_OFF + q * 80 + k * 16) for k in range(4)]
+                c = warp + j * WARPS
+                valid = cutlass.Int32(c * CHUNK_GROUPS + q < groups)
+                factors = [(raw[2 * u + h] + FACTOR_BIAS) * (valid * cutlass.Int32(raw[2 * u + h] != 0)) * 0x00800080
+                           for h in range(2)]
+                cute.arch.sync_warp()                      # slot u read by every lane: refill it
+                if j + STAGES < count:
+                    c2 = c + STAGES * WARPS
+                    grp = cutlass.min(c2 * CHUNK_GROUPS + q, groups - 1)
+                    _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
+                    _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
+                    _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c2 * 128 + lane * 4, cols - 4) * 2), 8)
+                    raw[2 * u] = _ldg_u8(s_top + cutlass.Int64(grp))
+                    raw[2 * u + 1] = _ldg_u8(s_bot + cutlass.Int64(grp))
+                cute.arch.cp_async_commit_group()
+                _mma_chunk(codes, factors, xs, acc, accs)
+    if cutlass.const_expr(accs == 2):
+        for i in cutlass.range_constexpr(4):
+            acc[i] = acc[i] + acc[4 + i]
 
 
 @cute.jit
@@ -146,12 +222,13 @@ def _gate_up_kernel(z: cute.Tensor, ids: cute.Tensor, w1: cute.Tensor, s1: cute.
     xrow = slot // (ids.shape[0] // z.shape[0])
     is_up = bidx >= tiles
     row0 = (bidx - tiles * cutlass.Int32(is_up)) * TILE
-    acc = cute.make_rmem_tensor((4,), cutlass.Float32)
+    acc = cute.make_rmem_tensor((4 * GATE_UP_ACCS,), cutlass.Float32)
     acc.fill(0.0)
-    if is_up:
-        _expert_tile(w3, s3, z, e, row0, xrow, acc)
-    else:
-        _expert_tile(w1, s1, z, e, row0, xrow, acc)
+    # One copy of the loop for both matrices (instruction cache): select the base addresses.
+    up_i = cutlass.Int64(is_up)
+    wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
+    sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
+    _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, acc, GATE_UP_ACCS)
     # C fragment: lanes q = 0 hold column 0 of rows g (element 0) and g + 8 (element 2).
     top = _block_sum(acc, 0)
     bot = _block_sum(acc, 2)
@@ -172,9 +249,10 @@ def _down_kernel(hid: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w2: c
     tidx, _, _ = cute.arch.thread_idx()
     bidx, slot, _ = cute.arch.block_idx()
     row0 = bidx * TILE
-    acc = cute.make_rmem_tensor((4,), cutlass.Float32)
+    acc = cute.make_rmem_tensor((4 * DOWN_ACCS,), cutlass.Float32)
     acc.fill(0.0)
-    _expert_tile(w2, s2, hid, ids[slot], row0, slot, acc)
+    _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, ids[slot], row0, slot, acc,
+                 DOWN_ACCS)
     top = _block_sum(acc, 0)
     bot = _block_sum(acc, 2)
     lane = tidx % LANES
@@ -188,8 +266,8 @@ def _down_kernel(hid: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w2: c
 @cute.jit
 def gate_up(z: cute.Tensor, ids: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor, w3: cute.Tensor,
             s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
-    """z [N, M] bf16 (columns in decode order), ids [S] int32, w1/w3 int32 [E, I, M/8], s1/s3
-    uint8 [E, I, M/32] -> gate, up [S, I] bf16 (I % 16 == 0)."""
+    """z [N, M] bf16 (columns in decode order, times 2^X_EXP), ids [S] int32, w1/w3 int32
+    [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up [S, I] bf16 (I % 16 == 0)."""
     grid = (2 * (w1.shape[1] // TILE), ids.shape[0], 1)
     _gate_up_kernel(z, ids, w1, s1, w3, s3, gate, up).launch(grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
@@ -197,7 +275,7 @@ def gate_up(z: cute.Tensor, ids: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor, 
 @cute.jit
 def down(hid: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
          part: cute.Tensor, stream: cuda.CUstream):
-    """hid [S, I] bf16 (columns in decode order), ids [S] int32, weights [S] f32, w2 int32
-    [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 (M % 16 == 0)."""
+    """hid [S, I] bf16 (columns in decode order, times 2^X_EXP), ids [S] int32, weights [S] f32,
+    w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 (M % 16 == 0)."""
     grid = (w2.shape[1] // TILE, ids.shape[0], 1)
     _down_kernel(hid, ids, weights, w2, s2, part).launch(grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
