@@ -94,6 +94,16 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
+def _issue(slot, c, lane, q, groups, cols, top, bot, xsrc, x_dst, s_top, s_bot):
+    """Chunk c's codes (rows g, g + 8) and activations into ring `slot` by cp.async; returns the
+    two scale bytes. Groups past the end are clamped (their factor is zeroed by the caller)."""
+    grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
+    _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
+    _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
+    _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8)
+    return _ldg_u8(s_top + cutlass.Int64(grp)), _ldg_u8(s_bot + cutlass.Int64(grp))
+
+
 def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
     """acc += the chunk's 16 rows x 4 groups (2 MMAs per word; words alternate between the accs
     C fragments acc[4a:4a+4])."""
@@ -158,17 +168,10 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.
     x_dst = X_OFF + (lane // 8) * 80 + (lane % 8) * 8     # this lane's 8 bytes of the chunk's x
     raw = cute.make_rmem_tensor((2 * STAGES,), cutlass.Int32)   # scale bytes of rows g, g + 8 per slot
 
-    # Issue chunk c into slot u. Groups past the end are clamped (their factor is zeroed).
+    src = (lane, q, groups, cols, top, bot, xsrc, x_dst, s_top, s_bot)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
-            c = warp + u * WARPS
-            grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
-            slot = ring + u * STAGE_BYTES
-            _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
-            _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
-            _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8)
-            raw[2 * u] = _ldg_u8(s_top + cutlass.Int64(grp))
-            raw[2 * u + 1] = _ldg_u8(s_bot + cutlass.Int64(grp))
+            raw[2 * u], raw[2 * u + 1] = _issue(ring + u * STAGE_BYTES, warp + u * WARPS, *src)
         cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
@@ -186,13 +189,7 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.
                            for h in range(2)]
                 cute.arch.sync_warp()                      # slot u read by every lane: refill it
                 if j + STAGES < count:
-                    c2 = c + STAGES * WARPS
-                    grp = cutlass.min(c2 * CHUNK_GROUPS + q, groups - 1)
-                    _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
-                    _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
-                    _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c2 * 128 + lane * 4, cols - 4) * 2), 8)
-                    raw[2 * u] = _ldg_u8(s_top + cutlass.Int64(grp))
-                    raw[2 * u + 1] = _ldg_u8(s_bot + cutlass.Int64(grp))
+                    raw[2 * u], raw[2 * u + 1] = _issue(slot, c + STAGES * WARPS, *src)
                 cute.arch.cp_async_commit_group()
                 _mma_chunk(codes, factors, xs, acc, accs)
     if cutlass.const_expr(accs == 2):
