@@ -39,6 +39,16 @@ per SM, 2 splits, whose halved register slab lets more programs stay resident (K
 52.5, b32 203 / 175 / 184, b128 773 / 656 / 704; Kimi-Linear b32 70.5 / 65.2 / 67.0); in between,
 1 (Kimi-Linear b8 19.7 / 25.2 / 22.4). Splitting repeats the small inputs' work and reads (L2
 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of bytes).
+
+Where the inputs are prepared (`prepares_inputs_in_xla`): the per-program chain of small loads,
+conv, norms and reductions, not the slab's TMA, bounds the kernel above (a variant streaming
+several items' slabs through a TMA pipeline per program was slower; BENCHMARKS.md, session 7).
+From two (sequence, head) pairs per SM, ops.kda_inputs therefore runs as XLA ops first and a
+second kernel (`_state_kernel`) does only the delta rule on ready q, k, v, decay and beta: that
+kernel alone streams the state at ~91% of the copy rate (K3 b128: 411 us for 1.6 GB), and the
+whole op, XLA's ~20-60 us of input fusions included, is K3 b32 / b128 74.9% / 83.2% of its roofline
+(fused 55.0% / 57.7%), b8 53.2% (48.5%). Below that the fused kernel stays (batch 1: the extra
+launches cost more than they save).
 """
 
 from __future__ import annotations
@@ -74,6 +84,14 @@ def plan(batch: int, heads: int, sms: int) -> int:
     return 4 if pairs < sms else 2 if pairs >= 2 * sms else 1
 
 
+def prepares_inputs_in_xla(batch: int, heads: int, sms: int) -> bool:
+    """Whether ops.kda_inputs runs in XLA before a delta-rule-only kernel (from two (sequence,
+    head) pairs per SM, as measured on the H200 with a donated state, session 7: K3 b8 / b32 /
+    b128 50.9 -> 46.3, 178.5 -> 131.1, 679.4 -> 471.7 us) rather than inside the kernel (fewer
+    pairs: the extra XLA launches cost more than they save; K3 b1 ~11 us fused, ~16 us)."""
+    return batch * heads >= 2 * sms
+
+
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
     """Why the kernel does not cover this call (None: it does). Both gate forms are covered."""
     d = f.shape[-1] // num_heads
@@ -86,6 +104,25 @@ def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
 
 def _bcast(x, shape, dim: int):
     return jax.lax.broadcast_in_dim(x, shape, (dim,))
+
+
+def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
+    """ops.kda_recurrent_step on the [d (key), w (value)] float32 slab in s_smem (updated there):
+    decay, delta-rule rank-1 update, read-out with q, rounded to `dtype` where ops.kda_decode
+    rounds it (then, with norm = (gate, weight, eps), its gated RMSNorm), into o_smem.
+    q, k, decay: [d] in the row layout; v: [w] in the column layout; beta: a scalar."""
+    s = plgpu.load(s_smem, layout=WGMMA)
+    s = s * _bcast(decay, s.shape, 0)
+    kk = _bcast(k, s.shape, 0)
+    pred = jnp.sum(kk * s, axis=0)
+    u = beta * (v - pred)
+    s = s + kk * _bcast(u, s.shape, 1)
+    o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0).astype(dtype)
+    s_smem[...] = s
+    if norm is not None:    # the whole head's o is here: the gated norm fuses
+        o = ops.gated_rms_norm(o, *norm)
+    o_smem[...] = o
+    plgpu.commit_smem()
 
 
 def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
@@ -133,19 +170,8 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             plgpu.commit_smem()
             v = plgpu.load(v_smem.at[cols], layout=COL)
             plgpu.barrier_wait(bar)
-            s = plgpu.load(s_smem, layout=WGMMA)                        # [d (key), w (value)] f32
-            # ops.kda_recurrent_step: decay, delta-rule rank-1 update, read-out with q.
-            s = s * _bcast(jnp.exp(g), s.shape, 0)
-            kk = _bcast(k, s.shape, 0)
-            pred = jnp.sum(kk * s, axis=0)
-            u = beta * (v - pred)
-            s = s + kk * _bcast(u, s.shape, 1)
-            o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0).astype(bf16)   # ops.kda_decode's rounding
-            s_smem[...] = s
-            if splits == 1:     # the whole head's o is here: the gated norm fuses
-                o = ops.gated_rms_norm(o, vec(gate_g.at[b, heads], COL), vec(on_g, COL), eps)
-            o_smem[...] = o
-            plgpu.commit_smem()
+            _delta_rule(s_smem, q, k, v, jnp.exp(g), beta, o_smem, bf16,
+                        norm=(vec(gate_g.at[b, heads], COL), vec(on_g, COL), eps) if splits == 1 else None)
             plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
             plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
@@ -172,10 +198,52 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     return o, conv, jax.freeze(state)
 
 
+def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, splits: int):
+    """The delta rule alone, on inputs XLA prepared (ops.kda_inputs): q, k, v, decay [B, H, d]
+    float32, beta [B, H] float32, gate [B, P] -> (o [B, P] bf16, gated-normed if splits == 1,
+    new recurrent, in place)."""
+    b_n, h_n, d = q.shape
+    w = d // splits
+    bf16 = gate.dtype
+
+    def kda_state_step(q_g, k_g, v_g, dec_g, beta_g, gate_g, on_g, s_g, o_g):
+        b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
+        cols = pl.ds(c * w, w)
+
+        def vec(ref, layout):
+            return plgpu.load(ref, layout=layout, optimized=False)
+
+        def scoped(s_smem, o_smem, bar):
+            plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
+            qv, kv, dv = (vec(x.at[b, h], ROW) for x in (q_g, k_g, dec_g))
+            vv = vec(v_g.at[b, h, cols], COL)
+            plgpu.barrier_wait(bar)
+            norm = (vec(gate_g.at[b, pl.ds(h * d, d)], COL), vec(on_g, COL), eps) if splits == 1 else None
+            _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], o_smem, bf16, norm)
+            plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place
+            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
+                      plgpu.Barrier())
+
+    state = jax.new_ref(recurrent)
+    o = plgpu.kernel(
+        kda_state_step, out_type=jax.ShapeDtypeStruct((b_n, h_n * d), bf16),
+        grid=(b_n, h_n, splits), grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=mgpu.interpret_params(),
+    )(q, k, v, decay, beta, gate, o_norm, state)
+    return o, jax.freeze(state)
+
+
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-               *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None):
+               *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
+               inputs_in_xla: bool | None = None):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
-    value-column split, for ablations and benchmarks."""
+    value-column split; inputs_in_xla (default `prepares_inputs_in_xla`): the conv, norms, decay
+    and beta (ops.kda_inputs) run as XLA ops before a kernel that does only the delta rule, else
+    inside the kernel. Both are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     why = unsupported(conv_state, qkv, f, num_heads)
@@ -183,9 +251,19 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
         return registry.fallback("kda_decode", "pallas", why)(
             conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
             num_heads=num_heads, lower_bound=lower_bound, eps=eps)
-    splits = splits or plan(qkv.shape[0], num_heads, mgpu.num_sms())
-    o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                         num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
+    sms = mgpu.num_sms()
+    splits = splits or plan(qkv.shape[0], num_heads, sms)
+    if inputs_in_xla is None:
+        inputs_in_xla = prepares_inputs_in_xla(qkv.shape[0], num_heads, sms)
+    if inputs_in_xla:
+        window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
+        q, k, v, g, beta = (x[:, 0] for x in ops.kda_inputs(window, conv_w, f[:, None], beta_logit[:, None],
+                                                              a_log, dt_bias, num_heads, lower_bound))
+        o, s = _state_kernel(q, k, v, jnp.exp(g), beta, gate, o_norm, recurrent, eps=eps, splits=splits)
+        conv = window[:, 1:]
+    else:
+        o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
+                             num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
     if splits > 1:      # the norm needs the whole head's o, spread over `splits` programs
         b, p = o.shape
         o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,

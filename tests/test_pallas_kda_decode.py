@@ -18,17 +18,19 @@ SPEC = registry.spec("kda_decode")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
 # (case, splits): every split on the kernel's cases; the fallback case ignores splits.
-SMALL_SPLITS = [(c, s) for c in SMALL for s in ((None,) if c.name.startswith("fallback") else kd.SPLITS)]
+# (case, splits, inputs_in_xla): both kernels (inputs prepared in the kernel / by XLA) at every split.
+SMALL_SPLITS = [(c, s, x) for c in SMALL for s in ((None,) if c.name.startswith("fallback") else kd.SPLITS)
+                for x in ((None,) if c.name.startswith("fallback") else (False, True))]
 
 
 def _ids(param):
-    return f"{param[0].name}-s{param[1]}"
+    return f"{param[0].name}-s{param[1]}" + {None: "", False: "-fused", True: "-xla_inputs"}[param[2]]
 
 
 @pytest.mark.parametrize("param", SMALL_SPLITS, ids=_ids)
 def test_kda_decode_matches_reference_interpret(param):
-    case, splits = param
-    fn = functools.partial(kd.kda_decode, splits=splits)
+    case, splits, xla_in = param
+    fn = functools.partial(kd.kda_decode, splits=splits, inputs_in_xla=xla_in)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
     if not case.name.startswith("fallback"):
@@ -56,27 +58,34 @@ def test_kda_decode_plan():
     # The H200 measurements (module doc): 4 below one (sequence, head) pair per SM, 2 from two, else 1.
     assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 1, 2, 2, 2]
     assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 9, 32)] == [4, 4, 1, 1, 2, 2]
+    # XLA prepares the inputs from two pairs per SM (K3 from batch 3, Kimi-Linear from batch 9).
+    assert [kd.prepares_inputs_in_xla(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 128)] == [False, False, True, True]
+    assert [kd.prepares_inputs_in_xla(b, kd.KL_HEADS, 132) for b in (8, 9)] == [False, True]
 
 
 # K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads), every split;
 # d = 64 at 4 splits is the one 64-byte (not 128-byte) swizzled slab.
+@pytest.mark.parametrize("xla_in", (False, True), ids=("fused", "xla_inputs"))
 @pytest.mark.parametrize("splits", kd.SPLITS)
 @pytest.mark.parametrize("b,heads,d,lower_bound", [(1, kd.K3_HEADS, kd.K3_D, -5.0), (8, kd.K3_HEADS, kd.K3_D, -5.0),
                                                    (128, kd.K3_HEADS, kd.K3_D, -5.0), (1, kd.KL_HEADS, kd.K3_D, None),
                                                    (32, kd.KL_HEADS, kd.K3_D, None), (2, 4, 64, -5.0)])
-def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits):
+def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, xla_in):
     args = jax.eval_shape(lambda: kd._make(b, heads, d, kd.K3_CONV)(jax.random.key(0)))
-    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5, splits=splits))
+    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5, splits=splits,
+                                          inputs_in_xla=xla_in))
     with mgpu.compile_for_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s) for c in K3 for s in kd.SPLITS], ids=_ids)
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in (False, True)],
+                         ids=_ids)
 def test_kda_decode_gpu(param):
-    case, splits = param
-    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits), case, seed=5)
+    case, splits, xla_in = param
+    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, inputs_in_xla=xla_in),
+                            case, seed=5)
     assert r.passed, r
 
 
