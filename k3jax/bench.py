@@ -24,8 +24,9 @@ the device's copy bandwidth (k3jax.costs.copy_bandwidth, the one denominator of 
 k3jax: measured, BENCHMARKS.md, or measured on the spot for other devices). Every implementation is checked
 against the reference before it is timed. Times are the sum of the op's GPU kernel durations
 (CUPTI, as jax.experimental.mosaic.gpu.profiler does), median over rounds; inputs rotate over
-enough copies that they do not fit in the 60 MB L2. Wall-clock per call (launch gaps
-included) is recorded too. Results go to a JSON file (default benchmarks/results/ops-<date>.json).
+enough copies that they do not fit in the 60 MB L2; state an op updates in place (OpSpec.donate:
+kda_decode's recurrent state) is donated, a fresh copy per call made before the timing, as a
+decode step donates it. Wall-clock per call (launch gaps included) is recorded too. Results go to a JSON file (default benchmarks/results/ops-<date>.json).
 
 `--report`: one Markdown summary of any number of result files (model rows from --model and from
 benchmarks/torch_reference.py, ops rows from --ops); `--update FILE` rewrites the block between
@@ -92,20 +93,30 @@ def _kernel_times(launch, n: int) -> tuple[float, list[list]] | None:
     return sum(by_name.values()), [[name[:120], s] for name, s in top]
 
 
-def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5) -> dict:
+def time_rotating(fn, arg_sets: list[tuple], rounds: int = 5, donate: tuple[int, ...] = ()) -> dict:
     """Median per-call device time and wall time (seconds) of jitted `fn` over rotating inputs,
-    and (GPU) the kernels that take the most device time per call: [[name, seconds], ...]."""
-    run = jax.jit(fn)
-    jax.block_until_ready([run(*a) for a in arg_sets])      # compile + warm up
+    and (GPU) the kernels that take the most device time per call: [[name, seconds], ...].
+    donate: argument positions donated to `fn` (each call gets a copy made before the timing)."""
+    run = jax.jit(fn, donate_argnums=donate)
+
+    def fresh() -> list[tuple]:
+        if not donate:
+            return arg_sets
+        sets = [tuple(jax.tree.map(jnp.copy, x) if j in donate else x for j, x in enumerate(a)) for a in arg_sets]
+        return jax.block_until_ready(sets)
+
+    jax.block_until_ready([run(*a) for a in fresh()])      # compile + warm up
     n = len(arg_sets)
     dev, wall, top = [], [], []
     for _ in range(rounds):
-        timed = _kernel_times(lambda i: run(*arg_sets[i]), n)
+        sets = fresh()
+        timed = _kernel_times(lambda i: run(*sets[i]), n)
         if timed is not None:
             dev.append(timed[0])
             top = timed[1]
+        sets = fresh()
         t0 = time.perf_counter()
-        jax.block_until_ready([run(*a) for a in arg_sets])
+        jax.block_until_ready([run(*a) for a in sets])
         wall.append((time.perf_counter() - t0) / n)
     out = {"wall_s": statistics.median(wall)}
     out["device_s"] = statistics.median(dev) if dev else out["wall_s"]
@@ -150,7 +161,7 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                 call = lambda *a, fn=fn: fn(*a, **kw)  # noqa: E731
                 try:
                     err = spec.error(jax.jit(call)(*first), ref, first, kw)
-                    t = time_rotating(call, arg_sets)
+                    t = time_rotating(call, arg_sets, donate=spec.donate)
                 except Exception as e:  # noqa: BLE001 - record the failure, go on with the sweep
                     rows.append({"op": op, "case": case.name, "batch": case.batch, "backend": backend,
                                  "error_message": f"{type(e).__name__}: {str(e)[:300]}", "correct": False})

@@ -70,6 +70,8 @@ class OpSpec:
     compare(out, ref, args, kwargs) -> error as a fraction of the output scale (default:
     max |out - ref| / max |ref| over every output leaf, in float32; NaN anywhere fails).
     tolerance(args, kwargs) -> the allowed error (default: TOLERANCE of the first output's dtype).
+    donate: positions of the arguments a decode step donates (state the op updates in place):
+    benchmarks donate fresh copies of them, so they time what the step runs.
     """
 
     name: str
@@ -78,6 +80,7 @@ class OpSpec:
     cost: Callable[[tuple, dict], tuple[float, float]]
     compare: Callable[[Any, Any, tuple, dict], float] | None = None
     tolerance: Callable[[tuple, dict], float] | None = None
+    donate: tuple[int, ...] = ()
     notes: str = ""
 
     def sweep(self, *sizes: str) -> list[Case]:

@@ -56,6 +56,17 @@ def test_bench_ops_smoke(tmp_path):
     assert [r["case"] for r in json.load(open(out))["rows"]] == [case]
 
 
+def test_time_rotating_donates_copies():
+    """Arguments an op donates (OpSpec.donate) get a fresh copy per call: the caller's stay usable."""
+    import jax.numpy as jnp
+    import numpy as np
+    sets = [(jnp.full((4,), float(i)), jnp.arange(4.0)) for i in range(2)]
+    t = bench.time_rotating(lambda a, s: s + a, sets, rounds=1, donate=(1,))
+    assert t["device_s"] > 0
+    np.testing.assert_array_equal(sets[1][1], np.arange(4.0))
+    assert registry.spec("kda_decode").donate == (9,)     # the recurrent state, as a decode step donates it
+
+
 def test_kernels_lower_once_per_shape():
     """Call sites with equal shapes share one Mosaic GPU lowering (one compile, not one per layer)."""
     import re
