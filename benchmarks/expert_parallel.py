@@ -6,6 +6,8 @@ MoE layer, and the whole decode step of an expert-parallel preset (tokens/s, roo
     python benchmarks/expert_parallel.py --cpu-smoke --out smoke.json       # tiny shapes on CPU devices
     python benchmarks/expert_parallel.py --ep '' --step-mesh ep=2 --batches 1,8 --step-variants packed \
         --step-backends xla,pallas --out step.json                          # the k3-h200x2 step only
+    python benchmarks/expert_parallel.py --ep 2 --processes 2 --dispatch-only --step-mesh= --out p2.json
+                                                          # one process per GPU (jax.distributed)
 
 Phase 1 ("moe_layer" rows), for each EP size in `--ep` (a mesh ep=N over the first N devices),
 batch B (tokens per step) and variant: "dispatch+combine" runs k3jax.moe_parallel with the
@@ -26,6 +28,12 @@ the jitted decode step of `--preset` on `--step-mesh`: k3jax.bench.bench_model (
 its row lists the kernels and `fallbacks` (op/backend -> why a call ran the XLA reference,
 pallas_kernels.registry.fallbacks()). tokens/s = batch / step time; roofline =
 k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
+
+`--processes N` runs the layer phase in N processes of one device each, joined by
+jax.distributed.initialize (the multi-host launch, here on one host): one process driving several
+GPUs makes their host threads meet at every collective, which shows as wall time above the GPUs'
+kernel time (BENCHMARKS.md, session 7); one process per GPU does not. The first process writes
+the JSON. `device` across processes needs NVSHMEM (pallas_kernels.ep_dispatch.unavailable).
 
 The JSON is rewritten after every measured point, so a run killed at its time limit keeps what
 it measured; `--budget-s` stops starting new points in time for the summary table.
@@ -58,6 +66,40 @@ from k3jax.presets import get_preset  # noqa: E402
 K3 = get_preset("k3-full")  # the layer phase's default shapes and the expert activation
 ACT = K3.activation
 PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
+
+
+def _join(a) -> None:
+    """A worker of --processes: one device per process on the coordinator's global runtime."""
+    if a.cpu_smoke:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id)
+    else:
+        jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id,
+                                   local_device_ids=[a.process_id])
+
+
+def _launch(a, argv: list[str]) -> int:
+    """Runs a.processes copies of this script as workers (the first writes --out); their exit code."""
+    import socket
+    import subprocess
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = dict(os.environ)
+    if a.cpu_smoke:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--process-id", str(i), "--coordinator", coordinator],
+                              env=env) for i in range(a.processes)]
+    codes = [proc.wait() for proc in procs]
+    return max(codes, key=abs)
+
+
+def _place(x, sharding_):
+    """x (host or one local device, the same on every process) -> a global array with sharding_."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding_)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding_, lambda idx: host[idx])
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -95,7 +137,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
     """Phase 1: one row per (ep, batch, variant) into out["moe_layer"]."""
     e, m, i, k = a.experts, a.latent, a.intermediate, a.top_k
     key = jax.random.key(0)
-    dev0 = jax.devices()[0]
+    dev0 = jax.local_devices()[0]
     if a.dispatch_only:  # no expert math: placeholder weights that only carry E and the sharding
         experts = ops.ExpertWeights(*(jnp.zeros((e, 1, 1), jnp.bfloat16) for _ in range(3)))
     else:
@@ -127,7 +169,7 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
             print(f"layer phase: ep={ep} skipped: {e} experts do not split over {ep} ranks", flush=True)
             continue
         mesh = sharding.make_mesh(f"ep={ep}")
-        sharded = jax.device_put(experts, jax.NamedSharding(mesh, jax.P("expert")))
+        sharded = jax.tree.map(lambda x: _place(x, jax.NamedSharding(mesh, jax.P("expert"))), experts)
         for b in batches:
             if time.time() > deadline:
                 print(f"layer phase: time budget reached before ep={ep} batch {b}", flush=True)
@@ -155,7 +197,8 @@ def moe_layer_bench(a, out: dict, deadline: float, save) -> None:
                 row["single_gpu_local_experts_us"] = None if single_local is None else single_local * 1e6
                 rows.append(row)
                 save()
-                print(json.dumps(row), flush=True)
+                if jax.process_index() == 0:
+                    print(json.dumps(row), flush=True)
         del sharded
     del experts
 
@@ -182,15 +225,15 @@ def variant_bench(a, mesh, variant, ziw, experts, ref, ident) -> dict:
         return lambda z, i, w, ex: moe_parallel.moe_experts(z, i, w, ex, variant=variant, expert_fn=expert_fn, **ACT)
     out = {"unrolled": a.unroll}
     with jax.set_mesh(mesh):
-        zb, ib, wb = (jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in ziw)
-        got = np.asarray(jax.jit(layer(tagged_expert if a.dispatch_only else None))(zb, ib, wb, experts), np.float32)
+        zb, ib, wb = (_place(x, sharding.batch_sharding(mesh, x.shape)) for x in ziw)
+        got = sharding.to_host(jax.jit(layer(tagged_expert if a.dispatch_only else None))(zb, ib, wb, experts)).astype(np.float32)
         out["rel_err_vs_single_device"] = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30))
         run = chained(layer(ident), a.layers, a.unroll)
         out["dispatch_combine_us"] = timed(run, zb, ib, wb, experts, repeats=a.repeats) / a.layers * 1e6
         if jax.default_backend() == "gpu":
             kt = bench._kernel_times(lambda _: run(zb, ib, wb, experts), a.repeats)
-            if kt is not None:  # CUPTI sums the kernels of both GPUs: per GPU = / n_devices
-                per = a.layers * mesh.size      # kt is per launch of `run` (a.layers chained layers)
+            if kt is not None:  # CUPTI sums this process's GPUs' kernels: per GPU = / its devices
+                per = a.layers * len(mesh.local_devices)    # kt is per launch of `run` (a.layers layers)
                 out["kernel_us_per_gpu"] = kt[0] * 1e6 / per
                 out["top_kernels_us_per_gpu"] = [[name, s * 1e6 / per] for name, s in kt[1]]
         if not a.dispatch_only:
@@ -276,8 +319,19 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes (16 experts, k3-tiny) on CPU devices: ragged skipped; step phase xla "
                    "unless --step-backends (Pallas kernels run in interpret mode: slow)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="layer phase in this many processes, one device each (jax.distributed, as a "
+                   "multi-host launch; --cpu-smoke: gloo CPU collectives); needs --step-mesh=")
+    p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.processes > 1 and a.step_mesh != "":
+        p.error("--processes > 1 times the layer phase only: pass --step-mesh= (the step phase runs in one process)")
+    if a.processes > 1 and a.process_id is None:
+        return a            # the launcher: no device is touched here, the workers parse the rest
+    if a.process_id is not None:
+        _join(a)
     a.step_backends = [b for b in (a.step_backends or ("xla" if a.cpu_smoke else "xla,pallas")).split(",") if b]
     unknown = set(a.step_backends) - set(BACKENDS)
     if unknown:
@@ -304,7 +358,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
+    if a.processes > 1 and a.process_id is None:
+        return _launch(a, argv)
     start = time.time()
     deadline = start + a.budget_s
     layer_deadline = start + (a.layer_budget_s if a.layer_budget_s is not None
@@ -313,14 +370,20 @@ def main(argv=None) -> int:
     out = {"meta": {"kind": "model", "preset": a.preset, "device": dev.device_kind, "platform": dev.platform,
                     "n_devices": jax.device_count(), "jax": jax.__version__,
                     "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "command": " ".join(["python benchmarks/expert_parallel.py", *(sys.argv[1:] if argv is None
-                                                                                 else argv)]),
+                    # a worker's argv is the launcher's + --process-id I --coordinator ADDR (_launch)
+                    "command": " ".join(["python benchmarks/expert_parallel.py",
+                                         *(argv[:-4] if a.process_id is not None else argv)]),
+                    "processes": jax.process_count(),
                     "dtype": a.dtype, "steps": a.step_steps, "warmup": a.warmup,
                     "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
                     "env": {v: os.environ[v] for v in ("XLA_FLAGS", "NCCL_PROTO", "NCCL_ALGO") if v in os.environ},
                     "state": "k3jax.bench: random decode state at lengths = context", "args": vars(a)},
            "moe_layer": [], "rows": []}
-    save = lambda: atomic.write_json(a.out, out)  # noqa: E731 - after every point: survives a kill
+    lead = jax.process_index() == 0        # with --processes, the first worker writes and prints
+
+    def save():     # after every point: survives a kill
+        if lead:
+            atomic.write_json(a.out, out)
     save()
     if a.ep:
         moe_layer_bench(a, out, min(layer_deadline, deadline), save)
@@ -331,8 +394,11 @@ def main(argv=None) -> int:
             out["meta"]["step_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
             print(out["meta"]["step_error"], flush=True)
     save()
-    print()
-    print(summary(out, a.top_kernels))
+    if lead:
+        print()
+        print(summary(out, a.top_kernels))
+    if a.process_id is not None:
+        jax.distributed.shutdown()
     return 0
 
 

@@ -11,6 +11,9 @@
 #   D. (DEVICE_DISPATCH=1: D alone, then exit) the device-initiated dispatch ("device",
 #      pallas_kernels.ep_dispatch) next to packed / allreduce, dispatch-only at 1, 8, 16, 64 tokens
 #      (8 chained layers, then 32 to separate the per-call overhead), after its GPU tests; ~2-3 min.
+#   P. (PER_GPU_PROCESSES=1: P alone, then exit) dispatch+combine per layer with one process per GPU
+#      (--processes 2, jax.distributed), packed / allgather / allreduce at 1, 8, 16 tokens, fori and
+#      unrolled: is the wall-over-GPU time of one process driving both GPUs gone? ~1-2 min.
 # Writes $OUT/expert-parallel-h200x2.json (all rows) and per-phase logs; stops C in time for the merge.
 #   OUT=/tmp/ep bash benchmarks/expert_parallel_h200x2.sh                    # A, B, C: BUDGET_S=540 by default
 #   STEP_VARIANT=packed BUDGET_S=480 bash benchmarks/expert_parallel_h200x2.sh   # C alone, with that variant
@@ -28,6 +31,15 @@ BASE=${BASE_XLA_FLAGS:-}   # a CPU dry run: BASE_XLA_FLAGS=--xla_force_host_plat
 LAYER=(benchmarks/expert_parallel.py --ep 2 --dispatch-only --batches 1,8,64 --layers 8 --repeats 5 --step-mesh '')
 
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
+if [ -n "${PER_GPU_PROCESSES:-}" ]; then
+    P=(benchmarks/expert_parallel.py --ep 2 --processes 2 --dispatch-only --repeats 5 --step-mesh= --top-kernels 4
+       --batches 1,8,16 --variants packed,allgather,allreduce --layers 32)
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${P_S:-90}" $PY "${P[@]}" --budget-s $(( ${P_S:-90} - 20 )) \
+        --out "$OUT/layer_processes.json" 2>&1 | tee "$OUT/log_layer_processes.txt"
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${P_S:-90}" $PY "${P[@]}" --unroll --budget-s $(( ${P_S:-90} - 20 )) \
+        --out "$OUT/layer_processes_unrolled.json" 2>&1 | tee "$OUT/log_layer_processes_unrolled.txt"
+    exit 0
+fi
 if [ -n "${DEVICE_DISPATCH:-}" ]; then
     # The kernels against XLA's collectives first: a hang (a lost semaphore signal) stops here.
     K3JAX_GPU_TESTS=1 timeout "${T_S:-75}" $PY -m pytest -q -x -m gpu tests/test_ep_dispatch.py -k "exchange_on_gpus or reply_on_gpus" \
