@@ -3,29 +3,43 @@
     q_nope [B, H, N], q_rope [B, H, R], latent [B, L, C], k_rope [B, L, R], w_kv_b [H*(N+V), C],
     kv_len [B] int32 (device value, per step), scale -> [B, H, V] in q's dtype (k3jax.ops.mla_decode)
 
-The absorption q_lat = q_nope @ W_uk (-> [B, H, C]) and the output o_lat @ W_uv stay small XLA
-einsums around the kernel (weights 24 MB, read once per step, like any projection); the kernel
-is the attention over the cache, whose read is the op's cost (1152 B per token per sequence).
+Three Mosaic GPU kernels and one small XLA fusion; the op reads w_kv_b (24 MB at K3) once and
+the cache rows once, and those two reads are its cost (short contexts: the weights; long: the
+cache, 1152 B per token per sequence).
 
-Kernel (Mosaic GPU, one warpgroup per block), flash-decoding style: grid (split, batch, head
-group of 64, half of C). The cache rows of a split stream GMEM -> SMEM by TMA in a 2-stage
-`emit_pipeline` (64 tokens a step: 64 KB latent + 8 KB k_rope). Per step: scores [64 heads, 64
-tokens] = q_lat @ latent.T + q_rope @ k_rope.T by wgmma (float32 accumulator), masked by
-position < kv_len, an online softmax in registers (base 2), then o[64, C/2] += p @ latent[:, half]
-by wgmma with p from registers. Heads are wgmma's M side (64 rows), so H = 96 is two groups (the
-second half padding); C = 512 of float32 output would need 256 registers a thread, hence the C
-halves - the blocks of one split differ only in head group / half and run side by side, so the
-second reads of a tile come from L2. Each block writes its unnormalised o and the running
-(max, sum); XLA combines the splits (log-sum-exp) and applies W_uv.
+1. `_absorb`: q_lat = q_nope @ W_uk per head (k3jax.ops.mla_absorb_query), grid (C / 128, head,
+   row block). Batch rows are wgmma's M side (padded to 64 in SMEM only: only the real rows are
+   loaded and stored), W_uk[h] [N, 128] its B side as laid out in w_kv_b, K = N in one wgmma.
+   Writes bf16 q_lat [Bp, Hp, C] (heads padded to Hp = 128; the padding rows are never written:
+   their attention rows are computed and dropped) and q_rope re-laid out as [Bp, Hp, R].
+2. `_attend` (flash decoding): grid (head group of 64, batch, split), three warpgroups per block:
+   a producer streams the split's cache tiles (64 tokens: 64 KB latent + 8 KB k_rope) GMEM -> SMEM
+   by TMA into a 2-stage ring; two consumers share every tile, each owning one C half of the
+   output: scores [64 heads, 64 tokens] = q_lat @ latent.T + q_rope @ k_rope.T by wgmma (float32),
+   masked by position < kv_len, online softmax in registers (base 2), then o[64, C/2] += p @
+   latent[:, half] by wgmma. Heads are wgmma's M side, so H = 96 is two groups (the second half
+   padding). A [64, 512] float32 o would need 256 registers a thread, hence the two consumers;
+   each computes the full scores. Measured alternative (session 7): one consumer computes the
+   scores and hands p and the rescale factors to the other through SMEM (no recomputation; fits
+   with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
+   warpgroups. Each block writes o / l rounded to bf16 and the running (max, sum).
+3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
+4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output), swap-AB as in
+   pallas_kernels.linear: W_uv rows are the M side (64 a block), batch rows (padded to 8) the N
+   side, C streamed by TMA in 128-column steps; grid (V / 64, head).
 
-Covered: bf16, C % 64 == 0 (C / 2 <= 256), R % 64 == 0, L % 64 == 0. Anything else runs the
-reference; `covers()` says which. A float32 q_lat is rounded to bf16 for the wgmma (the
-reference keeps float32): this costs ~2^-9 relative on the scores, inside bf16 output tolerance.
+Covered: bf16, C % 128 == 0 (C / 2 <= 256), R % 64 == 0, L % 64 == 0 (`covers()`; anything else
+runs the reference). The absorption kernel needs N in {16, 32} or N % 64 == 0, the expansion
+V % 64 == 0 and at most 256 batch rows; outside those the reference's einsum runs in XLA.
+Interpret mode (CPU) runs the attention block's three warpgroups as concurrent host threads that
+wait on each other: with too few XLA:CPU threads (a 2-core host with one CPU device) they can
+starve and hang; tests/conftest.py's 8 host devices avoid it. Rounding beyond the reference's: q_lat, p, o / l
+and o_lat are bf16 wgmma operands or partials (float32 in the reference): ~2^-9 relative each,
+inside the 2^-6 tolerance (`tolerance`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -36,25 +50,45 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from k3jax import ops
 from pallas_kernels import mgpu, registry
 
-BLOCK_H = 64        # wgmma M: heads per block
-BLOCK_L = 64        # tokens per pipeline step
-STAGES = 2          # 2 x 72 KB of cache tiles + 72 KB of q in SMEM
+BLOCK_H = 64        # wgmma M: heads per attention block
+BLOCK_L = 64        # tokens per attention pipeline step
+BLOCK_C = 128       # absorption: latent columns per block
+BLOCK_K = 128       # expansion: latent columns per pipeline step
+ROWS = 64           # absorption: batch rows per block (wgmma M)
+MAX_N = 256         # expansion: most batch rows (wgmma N)
+STAGES = 2          # 2 x 72 KB of cache tiles + 72 KB of q: 216 of the 227 KB of SMEM
 LOG2E = math.log2(math.e)
 MASKED = -1e30      # finite: a fully masked tile must not make exp2(m_old - m_new) NaN
 f32 = jnp.float32
 
 
+def _tf(minor: int):
+    """SMEM transforms for a wgmma operand whose minor dimension has `minor` bf16 elements."""
+    swizzle = min(128, 2 * minor)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
 def covers(q_shape, latent_shape, k_rope_shape, dtype) -> bool:
-    """Whether the kernel handles these shapes/dtype (else `mla_decode` runs the reference)."""
+    """Whether the attention kernel handles these shapes/dtype (else `mla_decode` runs the
+    reference). The absorption and expansion kernels have their own conditions
+    (`_absorb_covers`, `_expand_covers`); outside them the reference's einsum runs."""
     c, r, length = latent_shape[-1], k_rope_shape[-1], latent_shape[1]
     return (jnp.dtype(dtype) == jnp.bfloat16 and c % 128 == 0 and c // 2 <= 256 and r % 64 == 0
             and length % BLOCK_L == 0 and r <= 256)
 
 
+def _absorb_covers(n: int, c: int) -> bool:
+    return (n in (16, 32) or n % 64 == 0) and n <= 256 and c % BLOCK_C == 0
+
+
+def _expand_covers(v: int, c: int, rows: int) -> bool:
+    return v % 64 == 0 and c % BLOCK_K == 0 and rows <= MAX_N
+
+
 def plan(batch: int, heads: int, length: int, c: int, sms: int) -> int:
-    """Number of sequence splits: the one maximising (SM fill over whole waves) x (cache bytes /
-    (cache + float32 partial bytes written and read back)); ties go to fewer splits."""
-    groups = -(-heads // BLOCK_H) * 2
+    """Number of sequence splits: the one maximising (SM fill over whole waves, one block an SM)
+    x (cache bytes / (cache + partial bytes written and read back)); ties go to fewer splits."""
+    groups = -(-heads // BLOCK_H)
     tiles = length // BLOCK_L
     cache = batch * length * 1152.0
     best = (0.0, 1)
@@ -63,101 +97,242 @@ def plan(batch: int, heads: int, length: int, c: int, sms: int) -> int:
             continue
         blocks = s * batch * groups
         fill = blocks / (math.ceil(blocks / sms) * sms)
-        partial = 2 * s * batch * groups * BLOCK_H * (c // 2 + 2) * 4
+        partial = 2 * s * batch * groups * BLOCK_H * (c * 2 + 8)
         score = fill * cache / (cache + partial)
         if score > best[0] + 1e-9:
             best = (score, s)
     return best[1]
 
 
-def _partials(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
-    """q_lat [B, Hp, C], q_rope [B, Hp, R] bf16 (Hp % 64 == 0) -> o [S, B, Hp, C], m, l [S, B, Hp]
-    float32: per split, sum_t 2^(s_t - m) latent_t, its max score m (base 2) and sum 2^(s_t - m)."""
-    b, hp, c = q_lat.shape
+def _row_blocks(b: int) -> tuple[int, int]:
+    """(rows a block, blocks) covering b batch rows: one block of b rounded up to 8 up to 64 rows."""
+    if b <= ROWS:
+        return -(-b // 8) * 8, 1
+    return ROWS, -(-b // ROWS)
+
+
+def _absorb(q_nope, q_rope, w_kv_b, hp: int):
+    """q_nope [Bp, H, N], q_rope [Bp, H, R] bf16 (Bp from `_row_blocks`), w_kv_b [H*(N+V), C] ->
+    q_lat [Bp, Hp, C] bf16 (q_nope @ W_uk per head, float32 sums) and q_rope copied to [Bp, Hp, R].
+    Heads H..Hp are never written: their attention rows are computed and dropped (a wgmma's rows
+    do not mix)."""
+    bp, h, n = q_nope.shape
     r = q_rope.shape[-1]
-    length = latent.shape[1]
-    per = length // splits
-    half = c // 2
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
-    tf = (tiling, swizzle)
+    c = w_kv_b.shape[-1]
+    nv = w_kv_b.shape[0] // h
+    rows, _ = _row_blocks(bp)
 
-    def mla_decode_split(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem):
-        si, bi = jax.lax.axis_index("s"), jax.lax.axis_index("b")
-        gi, ci = jax.lax.axis_index("g"), jax.lax.axis_index("c")
-        heads = pl.ds(gi * BLOCK_H, BLOCK_H)
-        valid = plgpu.load(len_gmem.at[bi]) - si * per      # tokens of this split below kv_len
+    def mla_absorb(q_gmem, qr_gmem, w_gmem, ql_gmem, qro_gmem):
+        ci, hi, ri = jax.lax.axis_index("c"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+        brows = pl.ds(ri * rows, rows)
 
-        def attend(ql_smem, qr_smem, p_smem, bar):
-            plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads], ql_smem, bar.at[0])
-            plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, bar.at[1])
+        def scoped(q_smem, w_smem, o_smem, qr_smem, bar):
+            plgpu.copy_gmem_to_smem(q_gmem.at[brows, hi], q_smem.at[pl.ds(0, rows)], bar.at[0])
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(hi * nv, n), pl.ds(ci * BLOCK_C, BLOCK_C)], w_smem, bar.at[1])
+
+            @pl.when(ci == 0)       # one block per (head, rows) re-lays q_rope out with the heads padded
+            def _():
+                plgpu.copy_gmem_to_smem(qr_gmem.at[brows, hi], qr_smem, bar.at[2])
+                plgpu.barrier_wait(bar.at[2])
+                plgpu.copy_smem_to_gmem(qr_smem, qro_gmem.at[brows, hi])
+
             plgpu.barrier_wait(bar.at[0])
             plgpu.barrier_wait(bar.at[1])
 
-            def step(idx, lat_smem, kr_smem, carry):
+            def mm(acc_ref):
+                # Rows past `rows` of q_smem were not loaded: their acc rows are not stored.
+                plgpu.wgmma(acc_ref, q_smem, w_smem)
+                return acc_ref[...]
+            o_smem[...] = pl.run_scoped(mm, plgpu.ACC((ROWS, BLOCK_C), f32)).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], ql_gmem.at[brows, hi, pl.ds(ci * BLOCK_C, BLOCK_C)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(scoped, plgpu.SMEM((ROWS, n), q_nope.dtype, transforms=_tf(n)),
+                      plgpu.SMEM((n, BLOCK_C), w_kv_b.dtype, transforms=_tf(BLOCK_C)),
+                      plgpu.SMEM((ROWS, BLOCK_C), q_nope.dtype), plgpu.SMEM((rows, r), q_rope.dtype),
+                      plgpu.Barrier(num_barriers=3))
+
+    return plgpu.kernel(
+        mla_absorb,
+        out_type=(jax.ShapeDtypeStruct((bp, hp, c), q_nope.dtype), jax.ShapeDtypeStruct((bp, hp, r), q_rope.dtype)),
+        grid=(c // BLOCK_C, h, bp // rows), grid_names=("c", "h", "r"),
+        interpret=mgpu.interpret_params(),
+    )(q_nope, q_rope, w_kv_b)
+
+
+def _pv(acc, p, v_ref, p_smem):
+    """acc + p @ v_ref by wgmma. Compiled, p [64, T] (registers) is the wgmma's A operand and
+    acc accumulates in place; interpreted (no register A there), p goes through p_smem."""
+    if p_smem is None:
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
+    p_smem[...] = p
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_ref)
+        return acc_ref[...]      # waits for the wgmma: p_smem is free for the next step
+    return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, f32))
+
+
+def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
+    """q_lat [Bq, Hp, C], q_rope [Bq, Hp, R] bf16 (Hp % 64 == 0, Bq >= B) -> o [S, B, Hp, C] bf16
+    (per split: sum_t 2^(s_t - m) latent_t / l), m, l [S, B, Hp] float32 (the split's max score,
+    base 2, and sum_t 2^(s_t - m))."""
+    hp, c = q_lat.shape[1:]
+    r = q_rope.shape[-1]
+    b, length = latent.shape[:2]
+    per = length // splits
+    steps = per // BLOCK_L
+    half = c // 2
+    interpret = mgpu.interpret_params()
+    tf = _tf(64)
+
+    def mla_attend(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
+                   ql_smem, qr_smem, lat_smem, kr_smem, ml_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar, done_bar):
+        # C halves are separate SMEM arrays (index 0/1 = half): a TMA store needs a contiguous
+        # source, and each consumer stages its o half in one.
+        si, bi, gi = jax.lax.axis_index("s"), jax.lax.axis_index("b"), jax.lax.axis_index("g")
+        wg = jax.lax.axis_index("wg")
+        heads = pl.ds(gi * BLOCK_H, BLOCK_H)
+        toks = lambda t: pl.ds(si * per + t * BLOCK_L, BLOCK_L)  # noqa: E731
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            for j in range(2):
+                plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
+            plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
+
+            def load(t, slot):
+                for j in range(2):
+                    plgpu.copy_gmem_to_smem(lat_gmem.at[bi, toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
+                                            lat_bar.at[2 * slot + j])
+                plgpu.copy_gmem_to_smem(kr_gmem.at[bi, toks(t)], kr_smem.at[slot], kr_bar.at[slot])
+            for t in range(min(STAGES, steps)):
+                load(t, t)
+
+            @pl.loop(STAGES, max(steps, STAGES))
+            def _(t):
+                slot = t % STAGES
+                plgpu.barrier_wait(free_bar.at[slot])     # both consumers are done with step t - STAGES
+                load(t, slot)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            valid = plgpu.load(len_gmem.at[bi]) - si * per      # tokens of this split below kv_len
+            for j in range(3):
+                plgpu.barrier_wait(q_bar.at[j])
+
+            def step(t, carry):
                 acc, m_i, l_i = carry
+                slot = t % STAGES
+                for j in range(2):
+                    plgpu.barrier_wait(lat_bar.at[2 * slot + j])
+                plgpu.barrier_wait(kr_bar.at[slot])
 
                 def qk(s_ref):
-                    plgpu.wgmma(s_ref, ql_smem, lat_smem.transpose((1, 0)))
-                    plgpu.wgmma(s_ref, qr_smem, kr_smem.transpose((1, 0)))
+                    for j in range(2):
+                        plgpu.wgmma(s_ref, ql_smem.at[j], lat_smem.at[slot, j].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
                     return s_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_L), f32)) * (scale * LOG2E)
                 pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(pos + idx[0] * BLOCK_L < valid, s, MASKED)
+                s = jnp.where(pos + t * BLOCK_L < valid, s, MASKED)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-                # p goes through SMEM: wgmma's A from registers does not interpret on CPU.
-                p_smem[...] = p.astype(p_smem.dtype)
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, lat_smem.at[:, pl.ds(ci * half, half)])
-                    return acc_ref[...]      # waits for the wgmma: p_smem is free for the next step
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, half), f32))
+                acc = _pv(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg],
+                          None if interpret is None else p_smem.at[wg])
+                plgpu.barrier_arrive(free_bar.at[slot])
                 return acc, m_new, l_i
 
             init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
                     plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
-            toks = pl.ds(si * per, per)
-            return plgpu.emit_pipeline(
-                step, grid=(per // BLOCK_L,),
-                in_specs=[plgpu.BlockSpec((BLOCK_L, c), lambda t: (t, 0), transforms=tf),
-                          plgpu.BlockSpec((BLOCK_L, r), lambda t: (t, 0), transforms=tf)],
-                max_concurrent_steps=STAGES, init_carry=init,
-            )(lat_gmem.at[bi, toks], kr_gmem.at[bi, toks])
+            acc, m_i, l_i = jax.lax.fori_loop(0, steps, step, init)
 
-        acc, m_i, l_i = pl.run_scoped(
-            attend, plgpu.SMEM((BLOCK_H, c), q_lat.dtype, transforms=tf),
-            plgpu.SMEM((BLOCK_H, r), q_rope.dtype, transforms=tf),
-            plgpu.SMEM((BLOCK_H, BLOCK_L), latent.dtype, transforms=tf), plgpu.Barrier(num_barriers=2))
+            # Both consumers read every tile to the end: wait for both before staging o in one.
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            o_smem = lat_smem.at[0, wg]
+            o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(o_smem.dtype)
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_H, half), f32),
-                           m_smem=plgpu.SMEM((BLOCK_H,), f32), l_smem=plgpu.SMEM((BLOCK_H,), f32))
-        def _store(o_smem, m_smem, l_smem):
-            o_smem[...] = acc
-            m_smem[...] = m_i
-            l_smem[...] = l_i
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, heads, pl.ds(ci * half, half)])
-
-            @pl.when(ci == 0)       # both halves hold the same (m, l); one writes them
+            @pl.when(wg == 0)       # both consumers hold the same (m, l); one writes them
             def _():
-                plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[si, bi, heads])
-                plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[si, bi, heads])
+                ml_smem.at[0][...] = m_i
+                ml_smem.at[1][...] = l_i
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, heads, pl.ds(wg * half, half)])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[si, bi, heads])
+                plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[si, bi, heads])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
-        mla_decode_split,
-        out_type=(jax.ShapeDtypeStruct((splits, b, hp, c), f32), jax.ShapeDtypeStruct((splits, b, hp), f32),
+        mla_attend,
+        out_type=(jax.ShapeDtypeStruct((splits, b, hp, c), latent.dtype), jax.ShapeDtypeStruct((splits, b, hp), f32),
                   jax.ShapeDtypeStruct((splits, b, hp), f32)),
-        grid=(2, hp // BLOCK_H, b, splits), grid_names=("c", "g", "b", "s"),
-        interpret=mgpu.interpret_params(),
+        scratch_types=[
+            plgpu.SMEM((2, BLOCK_H, half), q_lat.dtype, transforms=tf),
+            plgpu.SMEM((BLOCK_H, r), q_rope.dtype, transforms=tf),
+            plgpu.SMEM((STAGES, 2, BLOCK_L, half), latent.dtype, transforms=tf),
+            plgpu.SMEM((STAGES, BLOCK_L, r), k_rope.dtype, transforms=tf),
+            plgpu.SMEM((2, BLOCK_H), f32),
+            # p's SMEM staging, used only in interpret mode (compiled, p stays in registers).
+            plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype, transforms=tf),
+            plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=2 * STAGES), plgpu.Barrier(num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES), plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(hp // BLOCK_H, b, splits), grid_names=("g", "b", "s"),
+        num_threads=3, thread_name="wg",
+        interpret=interpret,
     )(q_lat, q_rope, latent, k_rope, kv_len)
+
+
+def _expand(o_t, w_kv_b, n: int):
+    """o_t [H, Bn, C] bf16 (Bn % 8 == 0, <= 256), w_kv_b [H*(N+V), C] -> [H, V, Bn] float32:
+    o_lat @ W_uv.T per head, swap-AB (W_uv rows are the wgmma's M side)."""
+    h, bn, c = o_t.shape
+    nv = w_kv_b.shape[0] // h
+    v = nv - n
+    k_steps = c // BLOCK_K
+    stages = min(3, k_steps)
+
+    def mla_expand(o_gmem, w_gmem, out_gmem):
+        vi, hi = jax.lax.axis_index("v"), jax.lax.axis_index("h")
+
+        def acc_scope(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, w_smem, o_smem: plgpu.wgmma(acc_ref, w_smem, o_smem.transpose((1, 0))),
+                grid=(k_steps,),
+                in_specs=[plgpu.BlockSpec((64, BLOCK_K), lambda k: (0, k), transforms=_tf(BLOCK_K),
+                                          delay_release=1 if stages >= 2 else 0),
+                          plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=_tf(BLOCK_K),
+                                          delay_release=1 if stages >= 2 else 0)],
+                max_concurrent_steps=stages,
+            )(w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[hi])
+            return acc_ref[...]
+
+        mgpu.store_tile(pl.run_scoped(acc_scope, plgpu.ACC((64, bn), f32)), out_gmem.at[hi, pl.ds(vi * 64, 64)])
+
+    return plgpu.kernel(
+        mla_expand, out_type=jax.ShapeDtypeStruct((h, v, bn), f32),
+        grid=(v // 64, h), grid_names=("v", "h"),
+        interpret=mgpu.interpret_params(),
+    )(o_t, w_kv_b)
+
+
+def _combine(o, m, l):
+    """Log-sum-exp combine of the splits (base 2; a fully masked split has m = MASKED: weight 0):
+    o [S, B, Hp, C] bf16 (normalised per split), m, l [S, B, Hp] float32 -> [B, Hp, C] float32."""
+    wgt = jnp.exp2(m - m.max(0)) * l
+    return (wgt[..., None] * o.astype(f32)).sum(0) / wgt.sum(0)[..., None]
 
 
 def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
@@ -166,15 +341,26 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape
+    c = latent.shape[-1]
+    v = w_kv_b.shape[0] // h - n
     hp = -(-h // BLOCK_H) * BLOCK_H
-    pad = ((0, 0), (0, hp - h), (0, 0))
-    q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
-    splits = plan(b, h, latent.shape[1], latent.shape[-1], mgpu.num_sms())
-    o, m, l = _partials(q_lat, jnp.pad(q_rope, pad), latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
-    # Log-sum-exp combine of the splits (base 2; a fully masked split has m = MASKED: weight 0).
-    wgt = jnp.exp2(m - m.max(0))
-    o_lat = (wgt[..., None] * o).sum(0) / (wgt * l).sum(0)[..., None]          # [B, Hp, C]
-    return ops.mla_expand_output(o_lat[:, :h], w_kv_b, n, q_nope.dtype)
+    bf16_w = w_kv_b.dtype == q_nope.dtype
+    if bf16_w and _absorb_covers(n, c):
+        rows, blocks = _row_blocks(b)
+        pad = ((0, rows * blocks - b), (0, 0), (0, 0))
+        q_lat, qr = _absorb(jnp.pad(q_nope, pad), jnp.pad(q_rope, pad), w_kv_b, hp)
+    else:
+        pad = ((0, 0), (0, hp - h), (0, 0))
+        q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
+        qr = jnp.pad(q_rope, pad)
+    splits = plan(b, h, latent.shape[1], c, mgpu.num_sms())
+    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
+    o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
+    bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
+    if bf16_w and _expand_covers(v, c, bn):
+        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(latent.dtype), ((0, 0), (0, bn - b), (0, 0)))
+        return _expand(o_t, w_kv_b, n).transpose(2, 0, 1)[:b].astype(q_nope.dtype)
+    return ops.mla_expand_output(o_lat, w_kv_b, n, q_nope.dtype)
 
 
 registry.register("mla_decode", "pallas", mla_decode)
@@ -205,7 +391,7 @@ def cases() -> list[registry.Case]:
                              (("scale", (n + r) ** -0.5),), batch=b, sizes=sizes)
     small = [case("b2_h8_c128_l128", 2, 8, 32, 64, 128, 32, 128),
              case("b1_h96_c256_l256_full", 1, 96, 64, 64, 256, 64, 256, lens=[256]),
-             case("b3_h70_c128_l192", 3, 70, 16, 64, 128, 16, 192, lens=[1, 65, 192]),
+             case("b3_h70_c128_l192_v64", 3, 70, 16, 64, 128, 64, 192, lens=[1, 65, 192]),
              case("fallback_l100", 2, 4, 16, 16, 128, 16, 100)]
     k3 = [case(f"ctx{ctx}_b{bb}", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}))
           for ctx in K3_CONTEXTS for bb in BENCH_BATCHES if bb * ctx <= 32 * 32768]

@@ -1,6 +1,7 @@
 """The Pallas (Mosaic GPU) absorbed MLA decode attention against k3jax.ops.mla_decode: CPU
-interpret mode (race detection, NaN-poisoned memory), CUDA lowering export of the K3 shapes on
-CPU, and the real kernel on a GPU."""
+interpret mode (race detection, NaN-poisoned memory; the three-warpgroup attention needs the 8
+host devices conftest.py sets, see pallas_kernels/mla_decode.py), the absorption / expansion
+kernels alone, CUDA lowering export of the K3 shapes on CPU, and the real kernel on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +60,27 @@ def test_mla_decode_k3_shapes_gpu(case):
     r = validate.check_case(SPEC, "pallas", mla.mla_decode, case, seed=5)
     assert r.passed, r
     assert np.isfinite(r.error)
+
+
+@pytest.mark.parametrize("batch", [3, 72])
+def test_absorb_and_expand_kernels_interpret(batch):
+    """The absorption and expansion kernels alone against their k3jax.ops references, including
+    more than 64 batch rows (two row blocks; K3 batch 128 takes this path) and H not a multiple of
+    64. Only real rows/heads are compared: the padding heads of q_lat are never written (NaN here)."""
+    b, h, n, r, c, v = batch, 5, 32, 64, 128, 64
+    q_nope, q_rope, _, _, w_kv_b, _ = mla._make(b, h, n, r, c, v, 64, lens=[64] * b)(jax.random.key(1))
+    rows, blocks = mla._row_blocks(b)
+    pad = ((0, rows * blocks - b), (0, 0), (0, 0))
+    with mgpu.race_detection():
+        q_lat, qr = mla._absorb(jnp.pad(q_nope, pad), jnp.pad(q_rope, pad), w_kv_b, 64)
+        o_lat = jax.random.normal(jax.random.key(2), (b, h, c), jnp.float32)
+        bn = -(-b // 8) * 8
+        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(jnp.bfloat16), ((0, 0), (0, bn - b), (0, 0)))
+        out = mla._expand(o_t, w_kv_b, n)
+    assert not mgpu.races_found()
+    ref = ops.mla_absorb_query(q_nope, w_kv_b).astype(jnp.bfloat16)
+    # Same float32 products, other summation order: at most one bf16 ulp apart.
+    assert registry.relative_max_error(q_lat[:b, :h], ref) <= 2.0 ** -7
+    np.testing.assert_array_equal(np.asarray(qr[:b, :h]), np.asarray(q_rope))
+    ref_out = ops.mla_expand_output(o_t[:, :b].astype(jnp.float32).transpose(1, 0, 2), w_kv_b, n, jnp.float32)
+    assert registry.relative_max_error(out.transpose(2, 0, 1)[:b], ref_out) <= 1e-5
