@@ -210,13 +210,21 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     conv_state [B, K-1, 3P]; qkv [B, 3P]; f, gate [B, P]; beta_logit [B, H]; recurrent [B, H, d, d] f32.
     Returns (o [B, P] in qkv's dtype, new conv_state, new recurrent).
     """
-    window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
-    q, k, v, g, beta = kda_inputs(window, conv_w, f[:, None], beta_logit[:, None], a_log, dt_bias,
-                                  num_heads, lower_bound)
-    o, s = kda_recurrent_step(recurrent, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    (q, k, v, g, beta), conv = kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
+                                               num_heads, lower_bound)
+    o, s = kda_recurrent_step(recurrent, q, k, v, g, beta)
     b, h, d = o.shape
     o = gated_rms_norm(o.astype(qkv.dtype), gate.reshape(b, h, d), o_norm, eps)
-    return o.reshape(b, h * d), window[:, 1:], s
+    return o.reshape(b, h * d), conv, s
+
+
+def kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, num_heads: int,
+                    lower_bound: float | None):
+    """`kda_inputs` for one new token per sequence: ((q, k, v, g [B, H, d], beta [B, H]) float32,
+    the new conv_state [B, K-1, 3P]: the window shifted by the token)."""
+    window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
+    inputs = kda_inputs(window, conv_w, f[:, None], beta_logit[:, None], a_log, dt_bias, num_heads, lower_bound)
+    return tuple(x[:, 0] for x in inputs), window[:, 1:]
 
 
 # ------------------------------------------------------------------ MLA

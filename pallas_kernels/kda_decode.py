@@ -242,7 +242,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
                inputs_in_xla: bool | None = None):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
     value-column split; inputs_in_xla (default `prepares_inputs_in_xla`): the conv, norms, decay
-    and beta (ops.kda_inputs) run as XLA ops before a kernel that does only the delta rule, else
+    and beta (ops.kda_step_inputs) run as XLA ops before a kernel that does only the delta rule, else
     inside the kernel. Both are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
@@ -256,11 +256,9 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     if inputs_in_xla is None:
         inputs_in_xla = prepares_inputs_in_xla(qkv.shape[0], num_heads, sms)
     if inputs_in_xla:
-        window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
-        q, k, v, g, beta = (x[:, 0] for x in ops.kda_inputs(window, conv_w, f[:, None], beta_logit[:, None],
-                                                              a_log, dt_bias, num_heads, lower_bound))
+        (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
+                                                       num_heads, lower_bound)
         o, s = _state_kernel(q, k, v, jnp.exp(g), beta, gate, o_norm, recurrent, eps=eps, splits=splits)
-        conv = window[:, 1:]
     else:
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
