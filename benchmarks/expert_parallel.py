@@ -29,7 +29,7 @@ its row lists the kernels and `fallbacks` (op/backend -> why a call ran the XLA 
 pallas_kernels.registry.fallbacks()). tokens/s = batch / step time; roofline =
 k3jax.costs.decode_step_bytes / step time / (copy bandwidth x devices).
 
-`--processes N` runs the layer phase in N processes of one device each, joined by
+`--processes N` runs both phases in N processes of one device each, joined by
 jax.distributed.initialize (the multi-host launch, here on one host): one process driving several
 GPUs makes their host threads meet at every collective, which shows as wall time above the GPUs'
 kernel time (BENCHMARKS.md, session 7); one process per GPU does not. The first process writes
@@ -256,7 +256,8 @@ def step_bench(a, out: dict, deadline: float, save) -> None:
     bench.bench_model(a.preset, a.step_backends, ["xla-ops", "per-op"], int_list(a.batches, "--batches"),
                       [a.context], dtype=a.dtype, mesh=a.step_mesh,
                       ep_variants=[v for v in a.step_variants.split(",") if v], steps=a.step_steps,
-                      warmup=a.warmup, deadline=deadline, on_row=on_row, progress=False)
+                      warmup=a.warmup, deadline=deadline, on_row=on_row, progress=False,
+                      log=print if jax.process_index() == 0 else (lambda *_: None))
 
 
 def summary(out: dict, top: int = 0) -> str:
@@ -320,14 +321,12 @@ def parse_args(argv=None):
                    help="tiny shapes (16 experts, k3-tiny) on CPU devices: ragged skipped; step phase xla "
                    "unless --step-backends (Pallas kernels run in interpret mode: slow)")
     p.add_argument("--processes", type=int, default=1,
-                   help="layer phase in this many processes, one device each (jax.distributed, as a "
-                   "multi-host launch; --cpu-smoke: gloo CPU collectives); needs --step-mesh=")
+                   help="run in this many processes, one device each (jax.distributed, as a multi-host "
+                   "launch; --cpu-smoke: gloo CPU collectives)")
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    if a.processes > 1 and a.step_mesh != "":
-        p.error("--processes > 1 times the layer phase only: pass --step-mesh= (the step phase runs in one process)")
     if a.processes > 1 and a.process_id is None:
         return a            # the launcher: no device is touched here, the workers parse the rest
     if a.process_id is not None:

@@ -13,7 +13,8 @@
 #      (8 chained layers, then 32 to separate the per-call overhead), after its GPU tests; ~2-3 min.
 #   P. (PER_GPU_PROCESSES=1: P alone, then exit) dispatch+combine per layer with one process per GPU
 #      (--processes 2, jax.distributed), packed / allgather / allreduce at 1, 8, 16 tokens, fori and
-#      unrolled: is the wall-over-GPU time of one process driving both GPUs gone? ~1-2 min.
+#      unrolled: is the wall-over-GPU time of one process driving both GPUs gone? ~1-2 min. With
+#      P_STEP=1 also the k3-h200x2 Pallas step at batch 1 and 8 that way (packed; ~5 min more).
 # Writes $OUT/expert-parallel-h200x2.json (all rows) and per-phase logs; stops C in time for the merge.
 #   OUT=/tmp/ep bash benchmarks/expert_parallel_h200x2.sh                    # A, B, C: BUDGET_S=540 by default
 #   STEP_VARIANT=packed BUDGET_S=480 bash benchmarks/expert_parallel_h200x2.sh   # C alone, with that variant
@@ -38,6 +39,11 @@ if [ -n "${PER_GPU_PROCESSES:-}" ]; then
         --out "$OUT/layer_processes.json" 2>&1 | tee "$OUT/log_layer_processes.txt"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${P_S:-90}" $PY "${P[@]}" --unroll --budget-s $(( ${P_S:-90} - 20 )) \
         --out "$OUT/layer_processes_unrolled.json" 2>&1 | tee "$OUT/log_layer_processes_unrolled.txt"
+    if [ -n "${P_STEP:-}" ]; then
+        timeout "${PS_S:-330}" $PY benchmarks/expert_parallel.py --ep '' --processes 2 --step-mesh ep=2 --batches 1,8 \
+            --step-variants packed --step-backends pallas --step-steps 4 --budget-s $(( ${PS_S:-330} - 40 )) \
+            --out "$OUT/step_processes.json" 2>&1 | tee "$OUT/log_step_processes.txt"
+    fi
     exit 0
 fi
 if [ -n "${DEVICE_DISPATCH:-}" ]; then

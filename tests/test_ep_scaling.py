@@ -77,19 +77,19 @@ def test_ep_benchmark_dispatch_only_cpu(tmp_path):
 
 
 def test_ep_benchmark_one_process_per_device_cpu(tmp_path):
-    """--processes 2: the layer phase in two jax.distributed processes of one CPU device each (gloo),
-    the launch the GPUs use to keep one host thread per device; exact like one process, one file."""
+    """--processes 2: both phases in two jax.distributed processes of one CPU device each (gloo), the
+    launch that keeps one host thread per GPU; the layer rows exact like one process, one file."""
     spec = importlib.util.spec_from_file_location("ep_bench", os.path.join(ROOT, "benchmarks", "expert_parallel.py"))
     ep_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ep_bench)
     out = tmp_path / "two_processes.json"
     argv = ["--cpu-smoke", "--dispatch-only", "--processes", "2", "--ep", "2", "--batches", "3", "--variants",
-            "packed,a2a", "--step-mesh=", "--repeats", "1", "--out", str(out)]
+            "packed,a2a", "--step-mesh", "ep=2", "--step-variants", "packed", "--repeats", "1", "--out", str(out)]
     assert ep_bench.main(argv) == 0
     result = json.load(open(out))
     assert result["meta"]["processes"] == 2 and "--process-id" not in result["meta"]["command"]
     rows = result["moe_layer"]
     assert [r["variant"] for r in rows] == ["packed", "a2a"]
     assert all(r["rel_err_vs_single_device"] == 0.0 and r["dispatch_combine_us"] > 0 for r in rows), rows
-    with pytest.raises(SystemExit):      # the step phase is single-process
-        ep_bench.parse_args(["--processes", "2", "--out", str(out)])
+    steps = result["rows"]
+    assert [(r["ep_variant"], r["batch"], r["status"]) for r in steps] == [("packed", 3, "ok")], steps
