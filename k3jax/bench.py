@@ -26,7 +26,8 @@ against the reference before it is timed. Times are the sum of the op's GPU kern
 (CUPTI, as jax.experimental.mosaic.gpu.profiler does), median over rounds; inputs rotate over
 enough copies that they do not fit in the 60 MB L2; state an op updates in place (OpSpec.donate:
 kda_decode's recurrent state) is donated, a fresh copy per call made before the timing, as a
-decode step donates it. Wall-clock per call (launch gaps included) is recorded too. Results go to a JSON file (default benchmarks/results/ops-<date>.json).
+decode step donates it. Wall-clock per call (launch gaps included) is recorded too. Results go
+to a JSON file (default benchmarks/results/ops-<date>.json).
 
 `--report`: one Markdown summary of any number of result files (model rows from --model and from
 benchmarks/torch_reference.py, ops rows from --ops); `--update FILE` rewrites the block between

@@ -106,6 +106,24 @@ def _bcast(x, shape, dim: int):
     return jax.lax.broadcast_in_dim(x, shape, (dim,))
 
 
+def _vec(ref, layout):
+    """A small vector from GMEM/SMEM in `layout` (ROW or COL)."""
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
+    """Runs `body` over grid (B, H, splits) with `recurrent` [B, H, d, d] float32 as its last
+    operand, a mutable ref the call aliases and updates in place (a donated decode state is
+    neither copied nor allocated twice) -> (body's outputs, new recurrent)."""
+    state = jax.new_ref(recurrent)
+    out = plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=mgpu.interpret_params(),
+    )(*args, state)
+    return out, jax.freeze(state)
+
+
 def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
     """ops.kda_recurrent_step on the [d (key), w (value)] float32 slab in s_smem (updated there):
     decay, delta-rule rank-1 update, read-out with q, rounded to `dtype` where ops.kda_decode
@@ -140,20 +158,17 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
-        def vec(ref, layout):
-            return plgpu.load(ref, layout=layout, optimized=False)
-
         def scoped(s_smem, o_smem, win_smem, v_smem, bar):
             # The state's read is the step's cost: start it before anything else.
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
             def conv(part, layout):
                 ch = pl.ds(part * p + h * d, d)
-                taps = [vec(cs_g.at[b, j, ch], layout) for j in range(km1)] + [vec(qkv_g.at[b, ch], layout)]
+                taps = [_vec(cs_g.at[b, j, ch], layout) for j in range(km1)] + [_vec(qkv_g.at[b, ch], layout)]
                 # The shifted window (rows 1..K-2, then the new input) for the new conv state.
                 for j in range(km1):
                     win_smem[part, j] = taps[j + 1].astype(bf16)
-                return ops.conv_taps(taps, [vec(cw_g.at[ch, j], layout) for j in range(ksize)])
+                return ops.conv_taps(taps, [_vec(cw_g.at[ch, j], layout) for j in range(ksize)])
 
             # q, k, the decay and beta are per key channel (rows): every split computes them whole.
             q = ops.l2_normalize(conv(0, ROW)) * d ** -0.5
@@ -163,7 +178,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             v_smem[...] = conv(2, ROW)
             heads = pl.ds(h * d, d)
             # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
-            g = ops.log_decay(vec(f_g.at[b, heads], ROW).astype(f32) + vec(dtb_g.at[heads], ROW).astype(f32),
+            g = ops.log_decay(_vec(f_g.at[b, heads], ROW).astype(f32) + _vec(dtb_g.at[heads], ROW).astype(f32),
                               jnp.exp(alog_g[h].astype(f32)), lower_bound)
             beta = jax.nn.sigmoid(bl_g[b, h].astype(f32))
 
@@ -171,7 +186,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             v = plgpu.load(v_smem.at[cols], layout=COL)
             plgpu.barrier_wait(bar)
             _delta_rule(s_smem, q, k, v, jnp.exp(g), beta, o_smem, bf16,
-                        norm=(vec(gate_g.at[b, heads], COL), vec(on_g, COL), eps) if splits == 1 else None)
+                        norm=(_vec(gate_g.at[b, heads], COL), _vec(on_g, COL), eps) if splits == 1 else None)
             plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
             plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
@@ -184,18 +199,13 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
                       plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((d,), f32), plgpu.Barrier())
 
-    # The recurrent state is updated in place (a mutable ref: the call aliases it, so a donated
-    # decode state is neither copied nor allocated twice). The conv window is not: the splits of a
-    # head all read its taps while each writes a part of the new window.
-    state = jax.new_ref(recurrent)
-    o, conv = plgpu.kernel(
+    # The conv window is not updated in place: the splits of a head all read its taps while each
+    # writes a part of the new window.
+    (o, conv), s = _on_state(
         kda_decode_step,
-        out_type=(jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        grid=(b_n, h_n, splits), grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=mgpu.interpret_params(),
-    )(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, state)
-    return o, conv, jax.freeze(state)
+        (jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
+        (b_n, h_n, splits), conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent=recurrent)
+    return o, conv, s
 
 
 def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, splits: int):
@@ -210,15 +220,12 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
-        def vec(ref, layout):
-            return plgpu.load(ref, layout=layout, optimized=False)
-
         def scoped(s_smem, o_smem, bar):
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
-            qv, kv, dv = (vec(x.at[b, h], ROW) for x in (q_g, k_g, dec_g))
-            vv = vec(v_g.at[b, h, cols], COL)
+            qv, kv, dv = (_vec(x.at[b, h], ROW) for x in (q_g, k_g, dec_g))
+            vv = _vec(v_g.at[b, h, cols], COL)
             plgpu.barrier_wait(bar)
-            norm = (vec(gate_g.at[b, pl.ds(h * d, d)], COL), vec(on_g, COL), eps) if splits == 1 else None
+            norm = (_vec(gate_g.at[b, pl.ds(h * d, d)], COL), _vec(on_g, COL), eps) if splits == 1 else None
             _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], o_smem, bf16, norm)
             plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place
             plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
@@ -227,14 +234,8 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
                       plgpu.Barrier())
 
-    state = jax.new_ref(recurrent)
-    o = plgpu.kernel(
-        kda_state_step, out_type=jax.ShapeDtypeStruct((b_n, h_n * d), bf16),
-        grid=(b_n, h_n, splits), grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=mgpu.interpret_params(),
-    )(q, k, v, decay, beta, gate, o_norm, state)
-    return o, jax.freeze(state)
+    return _on_state(kda_state_step, jax.ShapeDtypeStruct((b_n, h_n * d), bf16), (b_n, h_n, splits),
+                     q, k, v, decay, beta, gate, o_norm, recurrent=recurrent)
 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
