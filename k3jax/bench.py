@@ -745,8 +745,6 @@ def main(argv=None) -> int:
 
 
 def _main(a: argparse.Namespace, command: str) -> int:
-    # Before the first device use: the state of large sweeps needs most of the GPU (as generate would).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.report:
         missing = [f for f in a.report if not os.path.exists(f)]

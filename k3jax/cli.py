@@ -6,6 +6,7 @@ ends as one `python -m k3jax.<tool>: error: ...` line and exit status 2, never a
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -33,9 +34,13 @@ def known(values: list[str], allowed, what: str) -> list[str]:
 
 def run_cli(prog: str, work: Callable[[], int]) -> int:
     """work() -> exit status; bad input (ConfigError, ValueError, FileNotFoundError,
-    OutOfMemoryError) -> one error line on stderr and status 2."""
+    OutOfMemoryError) -> one error line on stderr and status 2. Sets XLA's GPU memory fraction to
+    0.94 unless the environment already sets it."""
     from k3jax.config import ConfigError
     from k3jax.weights import OutOfMemoryError
+    # Before the first device use: big presets fill the GPU, so XLA's allocator may take nearly all
+    # of it (its default, 75%, leaves k3-h200 short of memory).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     try:
         return work()
     except (ConfigError, ValueError, FileNotFoundError, OutOfMemoryError) as e:
@@ -45,8 +50,6 @@ def run_cli(prog: str, work: Callable[[], int]) -> int:
 
 def check_preset(name_or_dir: str) -> None:
     """ConfigError unless `name_or_dir` is a known preset or an existing checkpoint directory."""
-    import os
-
     from k3jax.config import ConfigError
     from k3jax.presets import PRESETS
     if name_or_dir not in PRESETS and not os.path.isdir(name_or_dir):

@@ -8,7 +8,6 @@ decode step moves against the device's bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from k3jax import atomic
@@ -161,8 +160,6 @@ def print_report(r: dict, quiet: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Big presets fill the GPU: let XLA's allocator take nearly all of it (its default is 75%).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     def work() -> int:
         report = run(args)
         print_report(report, args.quiet)

@@ -529,7 +529,6 @@ def main(argv=None) -> int:
 
 
 def _main(a: argparse.Namespace, command: str) -> int:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")   # as bench: before the first device use
     known([a.backend], BACKENDS, "backend")
     gran = a.granularity or ("xla-ops" if a.backend == "xla" else "per-op")
     known([gran], bench.GRANULARITIES, "granularity")

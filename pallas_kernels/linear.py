@@ -6,10 +6,12 @@ multiple of 8, the smallest wgmma N): acc[64, N] += W[64, bk] @ x[N, bk].T, with
 streamed GMEM -> SMEM by TMA in a multi-stage `emit_pipeline`. Every weight byte is read exactly
 once per call; that read is the whole cost at decode, so the grid is sized for bandwidth:
 out/64 tiles times a split of the input dimension chosen to fill every SM in whole waves. Each
-split writes a float32 partial [S, out, N]; a tiny XLA epilogue sums, transposes and casts.
+split writes a float32 partial [S, tiles * 64, N]; a tiny XLA epilogue sums, transposes and casts.
+When out is not a multiple of 64 (K3's 96-row KDA beta projection), the last tile reads the
+weight's last 64 rows, overlapping the tile before it, and the epilogue keeps only its new rows.
 
-Shapes the kernel does not cover (non-bf16, out or in not a multiple of 64, more than 256 rows)
-run the reference (k3jax.ops.linear) instead; `covers()` says which.
+Shapes the kernel does not cover (non-bf16, out below 64, in not a multiple of 64, more than 256
+rows) run the reference (k3jax.ops.linear) instead; `covers()` says which.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def covers(x_shape, w_shape, x_dtype, w_dtype) -> bool:
     rows = math.prod(x_shape[:-1])
     out, din = w_shape
     return (jnp.dtype(x_dtype) == jnp.bfloat16 and jnp.dtype(w_dtype) == jnp.bfloat16
-            and out % BLOCK_OUT == 0 and din % 64 == 0 and 1 <= rows <= MAX_ROWS)
+            and out >= BLOCK_OUT and din % 64 == 0 and 1 <= rows <= MAX_ROWS)
 
 
 def k_tiles(rows_padded: int, din: int, weight_rows: int = BLOCK_OUT) -> tuple[int, int]:
@@ -55,7 +57,7 @@ def plan(rows_padded: int, out: int, din: int, sms: int) -> tuple[int, int, int]
     """
     block_k, stages = k_tiles(rows_padded, din)
     k_steps = din // block_k
-    tiles = out // BLOCK_OUT
+    tiles = -(-out // BLOCK_OUT)
     weight_bytes = out * din * 2
     best = (0.0, 1)
     for s in range(1, k_steps + 1):
@@ -72,9 +74,11 @@ def plan(rows_padded: int, out: int, din: int, sms: int) -> tuple[int, int, int]
 
 
 def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: int) -> jax.Array:
-    """float32 partial products [splits, out, N] of W @ xp.T, xp [N, in] bf16 (N % 8 == 0)."""
+    """float32 partial products [splits, tiles * 64, N] of W @ xp.T, xp [N, in] bf16 (N % 8 == 0):
+    tile t holds W rows min(64 t, out - 64) + 0..63."""
     n, din = xp.shape
     out = w.shape[0]
+    tiles = -(-out // BLOCK_OUT)
     k_per = din // splits
     # A stage is refilled only after the next step's wgmma was issued (the previous one may
     # still read it); with a single step nothing is refilled.
@@ -83,15 +87,16 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
     def linear_gemv(x_gmem, w_gmem, o_gmem):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         k_slice = pl.ds(si * k_per, k_per)
+        rows = pl.ds(jnp.minimum(oi * BLOCK_OUT, out - BLOCK_OUT), BLOCK_OUT)
 
         def acc_scope(acc_ref):
             plgpu.emit_pipeline(
                 lambda _, w_smem, x_smem: plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0))),
                 grid=(k_per // block_k,),
-                in_specs=[plgpu.BlockSpec((BLOCK_OUT, block_k), lambda k: (oi, k), delay_release=delay),
+                in_specs=[plgpu.BlockSpec((BLOCK_OUT, block_k), lambda k: (0, k), delay_release=delay),
                           plgpu.BlockSpec((n, block_k), lambda k: (0, k), delay_release=delay)],
                 max_concurrent_steps=stages,
-            )(w_gmem.at[:, k_slice], x_gmem.at[:, k_slice])
+            )(w_gmem.at[rows, k_slice], x_gmem.at[:, k_slice])
             return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_OUT, n)))
@@ -99,8 +104,8 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
         mgpu.store_tile(acc, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
 
     return plgpu.kernel(
-        linear_gemv, out_type=jax.ShapeDtypeStruct((splits, out, n), jnp.float32),
-        grid=(out // BLOCK_OUT, splits), grid_names=("o", "s"),
+        linear_gemv, out_type=jax.ShapeDtypeStruct((splits, tiles * BLOCK_OUT, n), jnp.float32),
+        grid=(tiles, splits), grid_names=("o", "s"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(xp, w)
 
@@ -116,8 +121,11 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     n = max(8, -(-rows // 8) * 8)
     xp = jnp.pad(x.reshape(rows, din), ((0, n - rows), (0, 0)))
     block_k, stages, splits = plan(n, out, din, mgpu.num_sms())
-    part = _partials(xp, weight, block_k, stages, splits)
-    return part.sum(0).T[:rows].astype(x.dtype).reshape(*lead, out)
+    part = _partials(xp, weight, block_k, stages, splits).sum(0)
+    last = (out // BLOCK_OUT) * BLOCK_OUT          # the overlapping last tile's first new row
+    if last < out:
+        part = jnp.concatenate([part[:last], part[part.shape[0] - (out - last):]])
+    return part.T[:rows].astype(x.dtype).reshape(*lead, out)
 
 
 registry.register("linear", "pallas", linear)
@@ -127,7 +135,7 @@ registry.register("linear", "pallas", linear)
 K3_SHAPES = {
     "kda_qkvg_proj": (12288, 7168), "kda_o_proj": (7168, 12288), "kda_f_a": (128, 7168),
     "kda_f_b": (12288, 128), "mla_q_a": (1536, 7168), "mla_q_b": (18432, 1536),
-    "mla_kv_a": (576, 7168), "latent_down": (3584, 7168), "latent_up": (7168, 3584),
+    "mla_kv_a": (576, 7168), "kda_b_proj": (96, 7168), "latent_down": (3584, 7168), "latent_up": (7168, 3584),
     "shared_down": (7168, 6144), "lm_head": (163840, 7168),
 }
 BENCH_BATCHES = (1, 8, 32, 128)
@@ -147,7 +155,9 @@ def cases() -> list[registry.Case]:
              for r, o, i in ((1, 128, 256), (5, 64, 512), (8, 192, 128), (33, 128, 384), (256, 64, 256),
                              (4, 512, 64))]
     # Outside the kernel's coverage: must still match (the reference runs).
-    small.append(registry.Case("fallback_out96", _make(3, 96, 256), batch=3))
+    small.append(registry.Case("out96_overlapping_tile", _make(3, 96, 256), batch=3))
+    small.append(registry.Case("out200_k_split", _make(2, 200, 1024), batch=2))
+    small.append(registry.Case("fallback_out32", _make(3, 32, 256), batch=3))
     k3 = [registry.Case(f"{name}_b{b}", _make(b, o, i), batch=b, sizes=frozenset({"k3"}))
           for name, (o, i) in K3_SHAPES.items() for b in BENCH_BATCHES]
     k3.append(registry.Case("kda_qkvg_proj_b256", _make(256, 12288, 7168), batch=256, sizes=frozenset({"k3"})))
@@ -164,5 +174,5 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 registry.register_spec(registry.OpSpec(
     name="linear", reference=ops.linear, cases=cases, cost=cost,
-    notes="bf16, out % 64 == 0, in % 64 == 0, <= 256 rows in the kernel; anything else runs the reference",
+    notes="bf16, out >= 64, in % 64 == 0, <= 256 rows in the kernel; anything else runs the reference",
 ))

@@ -91,3 +91,15 @@ def test_atomic_writes_keep_permissions(tmp_path):
     path.chmod(0o640)
     atomic.write_json(str(path), {"a": 2})
     assert path.stat().st_mode & 0o777 == 0o640 and json.loads(path.read_text()) == {"a": 2}
+
+
+def test_every_tool_lets_xla_take_most_of_the_gpu(monkeypatch):
+    """run_cli (every tool's entry) raises XLA's GPU memory fraction before any device use
+    (k3-h200's parity run ran out of memory at the default 75%), unless the caller set one."""
+    from k3jax.cli import run_cli
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    seen = []
+    assert run_cli("t", lambda: seen.append(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) or 0) == 0
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    run_cli("t", lambda: seen.append(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) or 0)
+    assert seen == ["0.94", "0.5"]

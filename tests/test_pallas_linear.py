@@ -43,7 +43,8 @@ def test_linear_leading_axes_and_fallback_dtype():
 
 
 @pytest.mark.parametrize("rows,out,din", [(1, 12288, 7168), (8, 7168, 12288), (32, 576, 7168),
-                                          (128, 12288, 128), (256, 18432, 1536), (5, 128, 256), (4, 64, 64)])
+                                          (128, 12288, 128), (256, 18432, 1536), (5, 128, 256), (4, 64, 64),
+                                          (1, 96, 7168), (3, 200, 1024)])
 def test_linear_cuda_export(rows, out, din):
     """Lowers the real (compiled) kernel for CUDA on this CPU machine: catches lowering errors."""
     avals = (jax.ShapeDtypeStruct((rows, din), jnp.bfloat16), jax.ShapeDtypeStruct((out, din), jnp.bfloat16))
