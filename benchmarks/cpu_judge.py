@@ -35,7 +35,7 @@ def judge(op: str, cases: list[str], impl: str) -> int:
     for name in cases:
         case = by_name[name]
         inputs, kw = case.make(jax.random.key(0)), dict(case.kwargs)
-        out = jax.jit(lambda *a: kernel(*a, **kw))(*inputs)
+        out = jax.jit(lambda *a: kernel(*a, **case.kernel_kw))(*inputs)
         ref = jax.jit(lambda *a: spec.reference(*a, **kw))(*inputs)
         with jax.default_device(cpu):
             on_cpu = jax.jit(lambda *a: spec.reference(*a, **kw))(*jax.device_put(inputs, cpu))

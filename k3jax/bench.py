@@ -159,7 +159,8 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                 fn = spec.reference if backend == "xla" else registry.implementation(op, backend)
                 if fn is None:
                     continue
-                call = lambda *a, fn=fn: fn(*a, **kw)  # noqa: E731
+                fkw = kw if backend == "xla" else case.kernel_kw
+                call = lambda *a, fn=fn, fkw=fkw: fn(*a, **fkw)  # noqa: E731
                 try:
                     err = spec.error(jax.jit(call)(*first), ref, first, kw)
                     t = time_rotating(call, arg_sets, donate=spec.donate)

@@ -81,7 +81,7 @@ def check_case(spec, impl: str, fn, case, *, seed: int = 0, repeats: int = 2) ->
     races = None
     try:
         with mgpu.race_detection():
-            run = jax.jit(lambda *a: fn(*a, **kw))
+            run = jax.jit(lambda *a: fn(*a, **case.kernel_kw))
             out = jax.block_until_ready(run(*args))
             races = mgpu.races_found() if interpreted else None
             again = [jax.block_until_ready(run(*args)) for _ in range(repeats)]

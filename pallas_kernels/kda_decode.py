@@ -308,6 +308,9 @@ def cases() -> list[registry.Case]:
     # Kimi-Linear's softplus decay form (no lower bound).
     small += [registry.Case(f"softplus_b{b}_h{h}_d{d}", _make(b, h, d), _kw(h, None), batch=b)
               for b, h, d in ((1, 2, 128), (2, 2, 64))]
+    # The delta-rule-only kernel, which the size rule picks only from two pairs per SM.
+    small += [registry.Case(f"xla_inputs_{name}", _make(b, h, d), kw, batch=b, kernel_kwargs=(("inputs_in_xla", True),))
+              for name, (b, h, d), kw in (("b2_h3_d128", (2, 3, 128), _kw(3)), ("softplus_b2_h2_d64", (2, 2, 64), _kw(2, None)))]
     # Outside the kernel's coverage: must still match (the reference runs).
     small.append(registry.Case("fallback_f32", _make(1, 2, 64, dtype=f32), _kw(2), batch=1))
     big = frozenset({"k3"})     # real model shapes: GPU validation and benchmarks

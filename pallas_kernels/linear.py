@@ -73,6 +73,22 @@ def plan(rows_padded: int, out: int, din: int, sms: int) -> tuple[int, int, int]
     return block_k, max(min(2, k_steps), min(stages, k_steps // best[1])), best[1]
 
 
+def accumulate_rows(acc_ref, w_rows, x_rows, block_k: int, stages: int) -> None:
+    """Inside a warpgroup-semantics kernel: acc_ref [64, N] float32 += w_rows [64, K] @ x_rows
+    [N, K].T (GMEM refs, bf16), K streamed GMEM -> SMEM in block_k steps by a `stages`-deep TMA
+    pipeline: the swap-AB step of every skinny GEMM here (this module, mla_decode's expansion)."""
+    # A stage is refilled only after the next step's wgmma was issued (the previous one may
+    # still read it); with a single step nothing is refilled.
+    delay = 1 if stages >= 2 else 0
+    plgpu.emit_pipeline(
+        lambda _, w_smem, x_smem: plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0))),
+        grid=(w_rows.shape[1] // block_k,),
+        in_specs=[plgpu.BlockSpec((BLOCK_OUT, block_k), lambda k: (0, k), delay_release=delay),
+                  plgpu.BlockSpec((x_rows.shape[0], block_k), lambda k: (0, k), delay_release=delay)],
+        max_concurrent_steps=stages,
+    )(w_rows, x_rows)
+
+
 def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: int) -> jax.Array:
     """float32 partial products [splits, tiles * 64, N] of W @ xp.T, xp [N, in] bf16 (N % 8 == 0):
     tile t holds W rows min(64 t, out - 64) + 0..63."""
@@ -80,9 +96,6 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
     out = w.shape[0]
     tiles = -(-out // BLOCK_OUT)
     k_per = din // splits
-    # A stage is refilled only after the next step's wgmma was issued (the previous one may
-    # still read it); with a single step nothing is refilled.
-    delay = 1 if stages >= 2 else 0
 
     def linear_gemv(x_gmem, w_gmem, o_gmem):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
@@ -90,13 +103,7 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
         rows = pl.ds(jnp.minimum(oi * BLOCK_OUT, out - BLOCK_OUT), BLOCK_OUT)
 
         def acc_scope(acc_ref):
-            plgpu.emit_pipeline(
-                lambda _, w_smem, x_smem: plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0))),
-                grid=(k_per // block_k,),
-                in_specs=[plgpu.BlockSpec((BLOCK_OUT, block_k), lambda k: (0, k), delay_release=delay),
-                          plgpu.BlockSpec((n, block_k), lambda k: (0, k), delay_release=delay)],
-                max_concurrent_steps=stages,
-            )(w_gmem.at[rows, k_slice], x_gmem.at[:, k_slice])
+            accumulate_rows(acc_ref, w_gmem.at[rows, k_slice], x_gmem.at[:, k_slice], block_k, stages)
             return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_OUT, n)))

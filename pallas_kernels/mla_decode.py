@@ -24,9 +24,10 @@ cache, 1152 B per token per sequence).
    with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
    warpgroups. Each block writes o / l rounded to bf16 and the running (max, sum).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
-4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output), swap-AB as in
-   pallas_kernels.linear: W_uv rows are the M side (64 a block), batch rows (padded to 8) the N
-   side, C streamed by TMA in 128-column steps; grid (V / 64, head).
+4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
+   pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
+   block), batch rows (padded to 8) the N side, C streamed by TMA in 128-column steps; grid
+   (V / 64, head).
 
 Covered: bf16, C % 128 == 0 (C / 2 <= 256), R % 64 == 0, L % 64 == 0 (`covers()`; anything else
 runs the reference). The absorption kernel needs N in {16, 32} or N % 64 == 0, the expansion
@@ -48,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from k3jax import ops
+from pallas_kernels import linear as lin
 from pallas_kernels import mgpu, registry
 
 BLOCK_H = 64        # wgmma M: heads per attention block
@@ -85,12 +87,13 @@ def _expand_covers(v: int, c: int, rows: int) -> bool:
     return v % 64 == 0 and c % BLOCK_K == 0 and rows <= MAX_N
 
 
-def plan(batch: int, heads: int, length: int, c: int, sms: int) -> int:
+def plan(batch: int, heads: int, length: int, c: int, r: int, sms: int) -> int:
     """Number of sequence splits: the one maximising (SM fill over whole waves, one block an SM)
-    x (cache bytes / (cache + partial bytes written and read back)); ties go to fewer splits."""
+    x (cache bytes / (cache + partial bytes written and read back)); ties go to fewer splits.
+    c, r: the latent and shared-key widths of a cached token (bf16)."""
     groups = -(-heads // BLOCK_H)
     tiles = length // BLOCK_L
-    cache = batch * length * 1152.0
+    cache = batch * length * (c + r) * 2.0
     best = (0.0, 1)
     for s in range(1, tiles + 1):
         if tiles % s:
@@ -301,22 +304,13 @@ def _expand(o_t, w_kv_b, n: int):
     h, bn, c = o_t.shape
     nv = w_kv_b.shape[0] // h
     v = nv - n
-    k_steps = c // BLOCK_K
-    stages = min(3, k_steps)
+    stages = min(3, c // BLOCK_K)
 
     def mla_expand(o_gmem, w_gmem, out_gmem):
         vi, hi = jax.lax.axis_index("v"), jax.lax.axis_index("h")
 
         def acc_scope(acc_ref):
-            plgpu.emit_pipeline(
-                lambda _, w_smem, o_smem: plgpu.wgmma(acc_ref, w_smem, o_smem.transpose((1, 0))),
-                grid=(k_steps,),
-                in_specs=[plgpu.BlockSpec((64, BLOCK_K), lambda k: (0, k), transforms=_tf(BLOCK_K),
-                                          delay_release=1 if stages >= 2 else 0),
-                          plgpu.BlockSpec((bn, BLOCK_K), lambda k: (0, k), transforms=_tf(BLOCK_K),
-                                          delay_release=1 if stages >= 2 else 0)],
-                max_concurrent_steps=stages,
-            )(w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[hi])
+            lin.accumulate_rows(acc_ref, w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[hi], BLOCK_K, stages)
             return acc_ref[...]
 
         mgpu.store_tile(pl.run_scoped(acc_scope, plgpu.ACC((64, bn), f32)), out_gmem.at[hi, pl.ds(vi * 64, 64)])
@@ -324,7 +318,7 @@ def _expand(o_t, w_kv_b, n: int):
     return plgpu.kernel(
         mla_expand, out_type=jax.ShapeDtypeStruct((h, v, bn), f32),
         grid=(v // 64, h), grid_names=("v", "h"),
-        interpret=mgpu.interpret_params(),
+        compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(o_t, w_kv_b)
 
 
@@ -353,7 +347,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
         pad = ((0, 0), (0, hp - h), (0, 0))
         q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
         qr = jnp.pad(q_rope, pad)
-    splits = plan(b, h, latent.shape[1], c, mgpu.num_sms())
+    splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms())
     o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
     o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8

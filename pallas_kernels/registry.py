@@ -46,8 +46,9 @@ class Case:
     """One point of an op's shape sweep.
 
     `make(key)` builds random (never zero) positional arguments; `kwargs` are the static
-    keyword arguments of the reference; `sizes` tags where the case runs: "small" (CPU
-    interpret mode, CI), "k3" (real K3 shapes: GPU validation and benchmarks).
+    keyword arguments of the reference; `kernel_kwargs` further ones only the kernel takes (which
+    of an op's kernels runs, where the kernel would choose by size); `sizes` tags where the case
+    runs: "small" (CPU interpret mode, CI), "k3" (real K3 shapes: GPU validation and benchmarks).
     """
 
     name: str
@@ -55,10 +56,15 @@ class Case:
     kwargs: tuple[tuple[str, Any], ...] = ()
     batch: int = 1
     sizes: frozenset[str] = frozenset({"small"})
+    kernel_kwargs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def kw(self) -> dict[str, Any]:
         return dict(self.kwargs)
+
+    @property
+    def kernel_kw(self) -> dict[str, Any]:
+        return dict(self.kwargs + self.kernel_kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ def test_kv_len_is_a_traced_value():
 @pytest.mark.parametrize("length", [64, 192, 32768])
 @pytest.mark.parametrize("batch", [1, 8, 128])
 def test_plan_divides_the_sequence(batch, length):
-    s = mla.plan(batch, 96, length, 512, mgpu.H200_SMS)
+    s = mla.plan(batch, 96, length, 512, 64, mgpu.H200_SMS)
     assert (length // mla.BLOCK_L) % s == 0
 
 
