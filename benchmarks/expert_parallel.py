@@ -58,7 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3jax import atomic, moe_parallel, mxfp4, ops, sharding  # noqa: E402
+from k3jax import atomic, launch, moe_parallel, mxfp4, ops, sharding  # noqa: E402
 from k3jax.backend import BACKENDS  # noqa: E402
 from k3jax.cli import int_list  # noqa: E402
 from k3jax.presets import get_preset  # noqa: E402
@@ -68,30 +68,12 @@ ACT = K3.activation
 PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
 
 
-def _join(a) -> None:
-    """A worker of --processes: one device per process on the coordinator's global runtime."""
-    if a.cpu_smoke:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id)
-    else:
-        jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id,
-                                   local_device_ids=[a.process_id])
-
-
 def _launch(a, argv: list[str]) -> int:
-    """Runs a.processes copies of this script as workers (the first writes --out); their exit code."""
-    import socket
-    import subprocess
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
-    env = dict(os.environ)
+    """Runs a.processes copies of this script as one jax.distributed job (k3jax.launch; the first
+    writes --out); their exit code."""
     if a.cpu_smoke:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--process-id", str(i), "--coordinator", coordinator],
-                              env=env) for i in range(a.processes)]
-    codes = [proc.wait() for proc in procs]
-    return max(codes, key=abs)
+        os.environ["JAX_PLATFORMS"] = "cpu"     # the workers: one CPU device each, gloo collectives
+    return max(launch.spawn([sys.executable, __file__, *argv], a.processes), key=abs)
 
 
 def _place(x, sharding_):
@@ -330,7 +312,7 @@ def parse_args(argv=None):
     if a.processes > 1 and a.process_id is None:
         return a            # the launcher: no device is touched here, the workers parse the rest
     if a.process_id is not None:
-        _join(a)
+        launch.join(a.coordinator, a.processes, a.process_id)
     a.step_backends = [b for b in (a.step_backends or ("xla" if a.cpu_smoke else "xla,pallas")).split(",") if b]
     unknown = set(a.step_backends) - set(BACKENDS)
     if unknown:

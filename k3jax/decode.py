@@ -2,7 +2,8 @@
 
 With no arguments it runs the tiny preset with a fixed seed on the default device (GPU if present,
 else CPU), prints the generated ids and text, prefill and decode times, tokens/s, and the bytes a
-decode step moves against the device's bandwidth.
+decode step moves against the device's bandwidth. `--processes N` runs the same generation as N
+processes of one jax.distributed job, one GPU each (k3jax.launch); the first one reports.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax import atomic
+from k3jax import atomic, launch
 from k3jax.backend import BACKENDS
 from k3jax.cli import int_list, run_cli
 from k3jax.moe_parallel import VARIANTS
@@ -41,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ep-variant", default="auto", choices=["auto", *VARIANTS],
                      help="expert-parallel dispatch/combine (default auto: on GPU packed for small batches, "
                           "ragged above; a2a on CPU)")
+    src.add_argument("--processes", type=int, default=1, metavar="N",
+                     help="run as N local processes of one jax.distributed job, one GPU each (with --mesh "
+                          "spanning all their devices; default 1: one process drives every device)")
+    src.add_argument("--process-id", type=int, help=argparse.SUPPRESS)     # set by k3jax.launch.spawn
+    src.add_argument("--coordinator", help=argparse.SUPPRESS)
     src.add_argument("--backend", default="xla", choices=BACKENDS,
                      help="decode-op implementations (default xla); ops without a kernel fall back, see the report")
     inp = p.add_argument_group("prompt")
@@ -159,9 +165,22 @@ def print_report(r: dict, quiet: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+
     def work() -> int:
+        if args.processes < 1:
+            raise ValueError(f"--processes must be >= 1, got {args.processes}")
+        if args.processes > 1 and not args.mesh:
+            raise ValueError("--processes needs --mesh (a mesh over every process's devices, e.g. ep=2)")
+        if args.processes > 1 and args.coordinator is None:     # the launcher: the job's processes do the work
+            codes = launch.spawn([sys.executable, "-m", "k3jax.decode", *argv], args.processes)
+            return max(codes, key=abs)
+        if args.coordinator is not None:
+            launch.join(args.coordinator, args.processes, args.process_id)
         report = run(args)
+        if args.process_id:          # one report per job: the first process's
+            return 0
         print_report(report, args.quiet)
         if args.output:
             atomic.write_json(args.output, report)

@@ -52,6 +52,8 @@ def test_unknown_preset(capsys):
     (["--preset", "kimi-linear-tiny", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--preset", "k3-full"], "needs ~"),
     (["--checkpoint", "/nonexistent/dir"], "does not exist"),
+    (["--processes", "2"], "--processes needs --mesh"),
+    (["--processes", "0", "--mesh", "ep=2"], "--processes must be >= 1"),
 ])
 def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     assert decode.main(argv) == 2
