@@ -73,7 +73,7 @@ def _launch(a, argv: list[str]) -> int:
     writes --out); their exit code."""
     if a.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"     # the workers: one CPU device each, gloo collectives
-    return max(launch.spawn([sys.executable, __file__, *argv], a.processes), key=abs)
+    return launch.spawn([sys.executable, __file__, *argv], a.processes)
 
 
 def _place(x, sharding_):

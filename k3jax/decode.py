@@ -174,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.processes > 1 and not args.mesh:
             raise ValueError("--processes needs --mesh (a mesh over every process's devices, e.g. ep=2)")
         if args.processes > 1 and args.coordinator is None:     # the launcher: the job's processes do the work
-            codes = launch.spawn([sys.executable, "-m", "k3jax.decode", *argv], args.processes)
-            return max(codes, key=abs)
+            return launch.spawn([sys.executable, "-m", "k3jax.decode", *argv], args.processes)
         if args.coordinator is not None:
             launch.join(args.coordinator, args.processes, args.process_id)
         report = run(args)

@@ -47,17 +47,18 @@ def _env(cpu_devices: int) -> dict[str, str]:
     return env
 
 
-def spawn(command: list[str], processes: int, *, cpu_devices: int = 1, timeout: float | None = None) -> list[int]:
+def spawn(command: list[str], processes: int, *, cpu_devices: int = 1, timeout: float | None = None) -> int:
     """Runs `processes` copies of `command` (argv, e.g. [sys.executable, "-m", "k3jax.decode", ...])
-    as one distributed job and returns their exit codes; on a timeout or an interrupt the
-    remaining copies are killed (and the error re-raised)."""
+    as one distributed job and returns its exit status (the largest of the copies' in magnitude:
+    0 when all succeeded); on a timeout or an interrupt the remaining copies are killed (and the
+    error re-raised)."""
     if processes < 2:
         raise ValueError(f"spawn needs at least 2 processes, got {processes}")
     coordinator = _free_coordinator()
     procs = [subprocess.Popen([*command, "--process-id", str(i), "--coordinator", coordinator], env=_env(cpu_devices))
              for i in range(processes)]
     try:
-        return [p.wait(timeout=timeout) for p in procs]
+        return max((p.wait(timeout=timeout) for p in procs), key=abs)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -39,10 +39,10 @@ def main(argv=None) -> int:
         multi, single = os.path.join(tmp, "multi.json"), os.path.join(tmp, "single.json")
         decode = [sys.executable, "-m", "k3jax.decode", "--preset", args.preset, "--dtype", "float32", "--quiet",
                   "--max-new-tokens", str(args.new_tokens), *(a for ids in PROMPTS for a in ("--prompt-ids", ids))]
-        codes = launch.spawn([*decode, "--mesh", args.mesh, "--processes", str(args.processes), "--output", multi],
-                             args.processes, cpu_devices=args.local_devices, timeout=args.timeout)
-        if any(codes):
-            raise SystemExit(f"worker exit codes {codes}")
+        status = launch.spawn([*decode, "--mesh", args.mesh, "--processes", str(args.processes), "--output", multi],
+                              args.processes, cpu_devices=args.local_devices, timeout=args.timeout)
+        if status:
+            raise SystemExit(f"the {args.processes}-process decode exited with status {status}")
         subprocess.run([*decode, "--output", single], check=True, timeout=args.timeout, cwd=ROOT,
                        env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
         got, want = json.load(open(multi)), json.load(open(single))
