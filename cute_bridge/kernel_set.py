@@ -65,24 +65,28 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
 
 # MXFP4 codes travel as int32 words (8 codes each) so a lane copies a scale group in 16 bytes; the
 # activations (z, hid) come with their columns in decode order (cute_bridge.ops.permute_x) and
-# times 2^MOE_X_EXP (the decode's weights carry 2^-MOE_X_EXP; kernels/mxfp4_moe.py).
+# times 2^MOE_X_EXP (the decode's weights carry 2^-MOE_X_EXP; kernels/mxfp4_moe.py). One grid row
+# per distinct expert (U); slots [U, T] names the slot each of T token columns fills (-1: none).
 MOE_X_EXP = mxfp4.DECODE_X_EXP
-MOE_KERNELS = (
-    KernelSpec(
-        name="moe_gate_up", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
-        inputs=(Arg("z", "bfloat16", ("N", "M")), Arg("ids", "int32", ("S",)),
-                Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
-                Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
-        outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
-        divisibility=(("M", 32), ("I", 16), ("M8", 4))),
-    KernelSpec(
-        name="moe_down", entry="cute_bridge.kernels.mxfp4_moe:down",
-        inputs=(Arg("hid", "bfloat16", ("S", "I")), Arg("ids", "int32", ("S",)),
-                Arg("weights", "float32", ("S",)),
-                Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
-        outputs=(Arg("part", "float32", ("S", "M")),),
-        divisibility=(("I", 32), ("M", 16), ("I8", 4))),
-)
+MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops chunks more tokens
+
+
+def _moe(tokens: int) -> tuple[KernelSpec, KernelSpec]:
+    route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
+    return (
+        KernelSpec(
+            name=f"moe_gate_up_t{tokens}", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
+            inputs=(Arg("z", "bfloat16", ("N", "M")), *route,
+                    Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
+                    Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
+            outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
+            divisibility=(("M", 32), ("I", 16), ("M8", 4))),
+        KernelSpec(
+            name=f"moe_down_t{tokens}", entry="cute_bridge.kernels.mxfp4_moe:down",
+            inputs=(Arg("hid", "bfloat16", ("S", "I")), *route, Arg("weights", "float32", ("S",)),
+                    Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
+            outputs=(Arg("part", "float32", ("S", "M")),),
+            divisibility=(("I", 32), ("M", 16), ("I8", 4))))
 
 
 KERNELS: tuple[KernelSpec, ...] = (
@@ -90,7 +94,7 @@ KERNELS: tuple[KernelSpec, ...] = (
                inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
                outputs=(Arg("out", "float32", ("n",)),)),
     *(_gemv(r, kind) for kind in ("", "split") for r in GEMV_ROWS),
-    *MOE_KERNELS,
+    *(spec for t in MOE_TOKENS for spec in _moe(t)),
 )
 
 BY_NAME = {k.name: k for k in KERNELS}

@@ -7,11 +7,14 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 the next compiled count): one row -> gemv_r1 (SIMT) when N >= SIMT_MIN_ROWS; else
                 the MMA kernels, gemv_r{2,4,8}, or for narrow w (N < 16 x SPLIT_MAX_TILES)
                 gemv_split_r* over k_splits(N, K) slices of K with XLA summing the float32 partials.
-  moe_experts:  MXFP4 experts, bf16 z [N, M], M and I multiples of 32 -> moe_gate_up, then
-                k3jax.ops.glu in XLA (the one formula), then moe_down (each slot's weighted output,
-                float32), summed over each token's k slots in XLA. The kernels take the activations
-                permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64); exact for
-                scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192).
+  moe_experts:  MXFP4 experts, bf16 z [N, M], M and I multiples of 32, grouped by expert: the
+                distinct selected experts (k3jax.ops.expert_dispatch) and each one's token slots
+                (`expert_slots`), then moe_gate_up_t{T}, k3jax.ops.glu in XLA (the one formula),
+                moe_down_t{T} (each slot's weighted output, float32), summed over each token's k
+                slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in chunks of 8
+                (ops.map_token_chunks), each reading its experts once. The kernels take the
+                activations permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64);
+                exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from cute_bridge import loader
-from cute_bridge.kernel_set import GEMV_ROWS, MOE_X_EXP
+from cute_bridge.kernel_set import GEMV_ROWS, MOE_TOKENS, MOE_X_EXP
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
 
@@ -88,6 +91,25 @@ def permute_x(x: jax.Array) -> jax.Array:
     return x.reshape(*lead, d // 8, 2, 4).swapaxes(-1, -2).reshape(*lead, d)
 
 
+def expert_slots(ids: jax.Array, num_experts: int, tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The MoE kernels' grouping of ids [N, k] (N <= tokens): experts [U] int32, the distinct
+    selected experts (padding = num_experts, skipped by the kernels); slots [U, tokens] int32, the
+    slot n * k + j where token n chose experts[u] as its j-th, else -1; kept [N, k] bool, the
+    slots the kernels fill (a repeated id is filled once, at its last slot: combine it with the
+    sum of its weights; an id >= num_experts never)."""
+    n, k = ids.shape
+    same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
+    later = jnp.triu(jnp.ones((k, k), bool), 1)
+    kept = (ids < num_experts) & ~jnp.any(same & later, axis=2)
+    if n == 1:                      # one token: its ids are the experts (a repeat's grid row stores nothing)
+        return ids[0].astype(jnp.int32), jnp.where(kept[0], jnp.arange(k, dtype=jnp.int32), -1)[:, None], kept
+    experts, _ = ops.expert_dispatch(ids, jnp.zeros(ids.shape, jnp.float32), num_experts, min(num_experts, n * k))
+    slot = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
+    match = (ids[None] == experts[:, None, None]) & kept[None]                # [U, N, k]
+    slots = jnp.max(jnp.where(match, slot[None], -1), axis=2)
+    return experts, jnp.pad(slots, ((0, 0), (0, tokens - n)), constant_values=-1), kept
+
+
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M]."""
@@ -100,14 +122,27 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     if reason:
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
-    flat_ids = ids.reshape(-1).astype(jnp.int32)
+    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta)  # noqa: E731
+    return ops.map_token_chunks(run, z, ids, weights, MOE_TOKENS[-1])
+
+
+def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta) -> jax.Array:
+    """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M] -> [N, M] in z's dtype."""
+    n, m = z.shape
+    k = ids.shape[1]
+    tokens = next(t for t in MOE_TOKENS if t >= n)
+    uniq, slots, kept = expert_slots(ids, experts.w1.shape[0], tokens)
+    # A repeated id's slot carries the sum of its weights (the reference's coefficient).
+    same = ids[:, :, None] == ids[:, None, :]
+    coef = jnp.where(kept, jnp.sum(jnp.where(same, weights[:, None, :], 0.0), axis=2), 0.0).astype(jnp.float32)
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
-    gate, up = loader.call("moe_gate_up", permute_x(z) * x_scale, flat_ids, _words(experts.w1), experts.s1,
-                           _words(experts.w3), experts.s3)
+    gate, up = loader.call(f"moe_gate_up_t{tokens}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+                           experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
     hid = ops.glu(gate, up, act, beta, linear_beta)
-    (part,) = loader.call("moe_down", permute_x(hid) * x_scale, flat_ids, weights.reshape(-1).astype(jnp.float32),
+    (part,) = loader.call(f"moe_down_t{tokens}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
                           _words(experts.w2), experts.s2)
-    return part.reshape(n, -1, m).sum(1).astype(z.dtype)    # the reference's float32 combine
+    part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
+    return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine
 
 
 register("linear", "cute", linear)

@@ -14,7 +14,8 @@ Shapes the kernel does not cover (non-bf16, out below 64, in not a multiple of 6
 rows) run the reference (k3jax.ops.linear) instead; `covers()` says which. So does one row times
 a weight under XLA_GEMV_BYTES, where XLA's single fused GEMV beats the kernel plus its epilogue
 (H200, sessions 1 and 8: 1.9-3.7 us against 4.5-6.0 us for K3's 1.4-8.3 MB projections; from 22 MB,
-or from 8 rows, the kernel is as fast or faster).
+or from 8 rows, the kernel is as fast or faster). In the k3-h200 batch-1 step: 6.30 ms against
+6.36 ms with the kernel forced (session 9).
 """
 
 from __future__ import annotations

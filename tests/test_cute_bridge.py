@@ -52,11 +52,11 @@ def _export(f, *avals):
     ("add", (S((1000,), jnp.float32),) * 2, None),
     ("gemv_r1", (S((1, 7168), jnp.bfloat16), S((1536, 7168), jnp.bfloat16)), None),
     ("gemv_r8", (S((8, 64), jnp.bfloat16), S((24, 64), jnp.bfloat16)), None),
-    ("moe_gate_up", (S((2, 64), jnp.bfloat16), S((8,), jnp.int32), S((16, 32, 8), jnp.int32),
-                     S((16, 32, 2), jnp.uint8), S((16, 32, 8), jnp.int32), S((16, 32, 2), jnp.uint8)), None),
+    ("moe_gate_up_t8", (S((2, 64), jnp.bfloat16), S((6,), jnp.int32), S((6, 8), jnp.int32), S((16, 32, 8), jnp.int32),
+                        S((16, 32, 2), jnp.uint8), S((16, 32, 8), jnp.int32), S((16, 32, 2), jnp.uint8)), {"S": 8}),
     ("gemv_split_r2", (S((2, 200), jnp.bfloat16), S((24, 200), jnp.bfloat16)), {"S": 3}),
-    ("moe_down", (S((8, 32), jnp.bfloat16), S((8,), jnp.int32), S((8,), jnp.float32),
-                  S((16, 64, 4), jnp.int32), S((16, 64, 1), jnp.uint8)), None),
+    ("moe_down_t1", (S((4, 32), jnp.bfloat16), S((4,), jnp.int32), S((4, 1), jnp.int32), S((4,), jnp.float32),
+                     S((16, 64, 4), jnp.int32), S((16, 64, 1), jnp.uint8)), None),
 ])
 def test_kernel_lowers_and_exports_for_cuda(name, avals, dims):
     text = _export(lambda *a: loader.call(name, *a, dims=dims), *avals)
@@ -74,10 +74,11 @@ def test_registered_ops_export_at_k3_decode_shapes():
     def experts(z, ids, w, p13, q13, p2, q2):
         ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2)
         return cute_ops.moe_experts(z, ids, w, ew, act="situ", beta=4.0, linear_beta=25.0)
-    text = _export(experts, S((1, m), jnp.bfloat16), S((1, k), jnp.int32), S((1, k), jnp.float32),
-                   S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),
-                   S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
-    assert BY_NAME["moe_gate_up"].target in text and BY_NAME["moe_down"].target in text
+    packed = (S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),
+              S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
+    for n, tokens in ((1, 1), (8, 8), (20, 8)):      # one token; up to 8 token columns; chunks of <= 8
+        text = _export(experts, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
+        assert BY_NAME[f"moe_gate_up_t{tokens}"].target in text and BY_NAME[f"moe_down_t{tokens}"].target in text
     # One row runs the SIMT kernel down to 1024 outputs; narrower matrices and more rows run the
     # MMA kernels, splitting K (float32 partials summed by XLA) when the row tiles cannot fill the GPU.
     assert BY_NAME["gemv_split_r1"].target in _export(cute_ops.linear, S((1, d), jnp.bfloat16),
@@ -177,3 +178,68 @@ def test_k_splits():
     assert k_splits(GEMV_TILE * SPLIT_MAX_TILES, 7168) == 1 and k_splits(12288, 128) == 1
     assert k_splits(GEMV_TILE * (SPLIT_MAX_TILES - 1), 7168) == 3 and k_splits(3584, 7168) == 3
     assert k_splits(1536, 7168) == 6 and k_splits(128, 7168) == 7168 // 32 // 16    # capped: 16 chunks each
+
+
+def _emulated_moe_kernel(name, *args, dims=None):
+    """A jnp model of the MoE kernels' contract (kernels/mxfp4_moe.py): for every named slot of grid
+    row u, the expert's product on that token column's activation row; unnamed outputs stay NaN."""
+    from cute_bridge.kernel_set import MOE_X_EXP
+    from cute_bridge.ops import permute_x
+    from k3jax import mxfp4
+    x, experts, slots, *rest = args
+    weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
+    mats = [permute_x(mxfp4.dequantize(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s,
+                                       jnp.float32)) for w, s in zip(rest[::2], rest[1::2])]
+    s_n = dims["S"] if dims else x.shape[0]
+    per_token = s_n // x.shape[0]                              # gate_up: x rows are tokens; down: slots
+    named = (slots >= 0) & (experts[:, None] < mats[0].shape[0])                         # [U, T]
+    rows = x[jnp.maximum(slots, 0) // (1 if weights is not None else per_token)]         # [U, T, in]
+    rows = rows.astype(jnp.float32) * 2.0 ** -MOE_X_EXP
+    target = jnp.where(named, slots, s_n)                      # unnamed: out of range, dropped
+    outs = []
+    for m in mats:
+        y = jnp.einsum("uoi,uti->uto", m[jnp.minimum(experts, m.shape[0] - 1)], rows)
+        y = y.astype(x.dtype).astype(jnp.float32)
+        if weights is not None:
+            y = weights[jnp.maximum(slots, 0)][..., None] * y
+        out = jnp.full((s_n, m.shape[1]), jnp.nan, jnp.float32).at[target].set(y, mode="drop")
+        outs.append(out if weights is not None else out.astype(x.dtype))
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("ids", [
+    [[5, 1, 7, 2]],                                   # one token: the T = 1 kernels
+    [[5, 1, 7, 2], [1, 5, 0, 3], [2, 2, 6, 5]],       # shared experts and a repeated id in one token
+    [[4, 4, 4, 4]] * 3,                               # every token and slot on one expert
+    [[(3 * n + j) % 8 for j in range(4)] for n in range(11)],   # 11 tokens: chunks of <= 8
+])
+def test_moe_grouping_matches_the_reference(monkeypatch, ids):
+    """expert_slots + the kernels' contract (emulated) + the XLA combine give ops.moe_experts,
+    including repeated ids (combined once with their summed weight) and more than 8 tokens."""
+    from cute_bridge import ops as cute_ops
+    from k3jax import mxfp4
+    monkeypatch.setattr(cute_ops, "_runnable", lambda: None)
+    monkeypatch.setattr(loader, "call", _emulated_moe_kernel)
+    ids = jnp.asarray(ids, jnp.int32)
+    n, e, m, inter = ids.shape[0], 8, 64, 32
+    ks = jax.random.split(jax.random.key(n), 6)
+    (p1, s1), (p3, s3) = (mxfp4.random_packed(kk, (e, inter, m)) for kk in ks[:2])
+    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter))
+    experts = ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
+    w = jax.nn.softmax(jax.random.normal(ks[3], ids.shape), -1)
+    z = jax.random.normal(ks[4], (n, m), jnp.bfloat16)
+    kw = dict(act="situ", beta=4.0, linear_beta=25.0)
+    out = np.asarray(cute_ops.moe_experts(z, ids, w, experts, **kw), np.float32)
+    ref = np.asarray(ops.moe_experts(z, ids, w, experts, **kw), np.float32)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+def test_expert_slots_name_every_kept_slot_once():
+    from cute_bridge.ops import expert_slots
+    ids = jnp.asarray([[3, 1, 3, 7], [1, 2, 9, 0]], jnp.int32)        # a repeat, and an id past E = 8
+    experts, slots, kept = expert_slots(ids, 8, 8)
+    np.testing.assert_array_equal(np.asarray(experts), [0, 1, 2, 3, 7, 8, 8, 8])
+    np.testing.assert_array_equal(np.asarray(kept), [[False, True, True, True], [True, True, False, True]])
+    named = np.asarray(slots)[np.asarray(slots) >= 0]
+    np.testing.assert_array_equal(np.sort(named), np.flatnonzero(np.asarray(kept).reshape(-1)))

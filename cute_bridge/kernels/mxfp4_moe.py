@@ -1,21 +1,36 @@
-"""MXFP4 W4A16 routed experts for decode, in two launches around the (XLA) gated activation:
+"""MXFP4 W4A16 routed experts for decode, grouped by expert, in two launches around the (XLA)
+gated activation. S = N * k slots (token n's j-th choice is slot n * k + j); the U distinct selected
+experts each get one grid row, and `slots [U, T]` names the slot of token column t (-1: token t
+did not choose expert u):
 
-  gate_up:  gate, up [S, I] bf16 = z[s // k] @ dequant(w1|w3[ids[s]]).T          (S = N * k slots)
-  down:     part [S, M] f32      = weights[s] * bf16(hid[s] @ dequant(w2[ids[s]]).T)
+  gate_up:  gate, up [S, I] bf16 = z[token] @ dequant(w1|w3[experts[u]]).T    for each named slot
+  down:     part [S, M] f32      = weights[s] * bf16(hid[s] @ dequant(w2[experts[u]]).T)
             (XLA sums each token's k partials and casts: the reference's float32 combine)
+
+Each selected expert's weights are read once per launch, whatever number of tokens chose it (up
+to T = 8, the MMA's N; `cute_bridge.ops` runs more tokens in chunks of 8). T = 1 (one token) keeps
+the lean single-row staging; T = 8 stages the named columns' activation rows (an unnamed
+column's copy reads nothing and zero-fills: reading all 8 rows for every block moved 2x the
+weights' bytes and ran 12x slower, session 9). Padding grid rows (experts[u] >= E) return at
+once. H200, session 9, K3 E=448: batch 1 101.4 us, batch 8 640.2 us (70.8% of the copy rate;
+per slot, before: 659 us est.), and the k3-h200 batch-8 step 13.40 -> 10.98 ms (the model's
+routing shares experts more than the benchmark's random one).
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 output
 rows of one slot's expert, its four warps split the input dimension in chunks of four 32-value
 scale groups, and each warp multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate): the
-decoded weight rows are the A operand, the slot's activation row the B operand (all 8 columns
-the same row; column 0 is stored). Lane (g = lane / 4, q = lane % 4) takes group q of a chunk in
+decoded weight rows are the A operand, the token columns' activation rows the B operand
+(T = 1: all 8 columns the same row, column 0 stored; T = 8: column t = token t, each stored
+where its slot is named). Lane (g = lane / 4, q = lane % 4) takes group q of a chunk in
 rows g and g + 8: 16 bytes of codes (4 words of 8 codes) and one scale byte per row.
 
 Streaming: each warp has a STAGES-deep ring of its own in shared memory. Per chunk every lane
-issues `cp.async` of its 2 x 16 bytes of codes and 8 of the chunk's 256 bytes of activations,
+issues `cp.async` of its 2 x 16 bytes of codes and its share of the chunk's activations (T = 1:
+8 of one row's 256 bytes; T = 8: one 64-byte group of one row, as 4 x 16),
 and loads its two scale bytes into registers, STAGES chunks ahead of the decode; the decode
 waits for the chunk's group (`cp.async.wait_group`), reads the slot back (16-byte `ld.shared`,
-the four x groups 80 bytes apart so the q lanes hit distinct banks) and refills it. Warp syncs
+the x groups 80 bytes apart and the rows 320, so the lanes of each 8-lane phase hit distinct
+banks) and refills it. Warp syncs
 order the lanes' copies and reads (no block barrier until the final sum). The gate and up blocks
 run one copy of the loop on selected base addresses. Measured on the H200 (session 7, batch 1):
 the ring alone gained ~1% over session 6's register loads, deeper rings lost (4 stages 7%,
@@ -65,8 +80,9 @@ NEG_ZERO2 = 0x80008000  # fma addend: x * s + (-0) = x * s exactly, signed zeros
 FACTOR_BIAS = mxfp4.DECODE_FACTOR_BIAS    # bf16 exponent field of the factor = scale byte + FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3jax.mxfp4)
 STAGES = 2              # chunks per warp in flight ahead of the decode
-STAGE_BYTES = 1024 + 4 * 80   # per warp and stage: codes of rows g, g + 8 (512 B each), 4 x groups of 64 B, 80 apart
-X_OFF = 1024            # the activations' offset in a stage
+X_OFF = 1024            # per warp and stage: codes of rows g, g + 8 (512 B each), then the activations:
+X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
+TOKENS = (1, 8)         # token columns a kernel is compiled for (the MMA's N is 8)
 # Independent MMA accumulator chains per warp (session 7, H200: two made gate_up 2.6% faster and
 # down 9% slower at batch 1, 2.6% / 7% at batch 8).
 GATE_UP_ACCS, DOWN_ACCS = 2, 1
@@ -94,13 +110,24 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue(slot, c, lane, q, groups, cols, top, bot, xsrc, x_dst, s_top, s_bot):
-    """Chunk c's codes (rows g, g + 8) and activations into ring `slot` by cp.async; returns the
-    two scale bytes. Groups past the end are clamped (their factor is zeroed by the caller)."""
+def _issue(slot, c, lane, q, groups, cols, top, bot, xsrc, named, tokens, s_top, s_bot):
+    """Chunk c's codes (rows g, g + 8) and activations (this lane's share; xsrc is its token row's
+    address, read only if `named`, else zeros are stored: an unnamed column is never stored, and
+    skipping its row keeps the activation traffic to the named columns) into ring `slot` by
+    cp.async; returns the two scale bytes. Groups past the end are clamped (their factor is
+    zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
     _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
     _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
-    _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8)
+    if cutlass.const_expr(tokens == 1):
+        x_dst = X_OFF + (lane // 8) * 80 + (lane % 8) * 8
+        _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8, cache="ca")
+    else:
+        src = xsrc + cutlass.Int64(grp * (GROUP * 2))
+        read = cutlass.Int32(named) * 16
+        for i in range(4):
+            _cp_async(slot + X_OFF + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
+                      cache="ca", src_bytes=read)
     return _ldg_u8(s_top + cutlass.Int64(grp)), _ldg_u8(s_bot + cutlass.Int64(grp))
 
 
@@ -121,11 +148,17 @@ def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
 
 
 @dsl_user_op
-def _cp_async(dst, src, nbytes: int, *, loc=None, ip=None):
-    """cp.async of nbytes (16: L2 only; 8: through L1) from global address src to shared address dst."""
-    mode = "cg" if nbytes == 16 else "ca"
-    llvm.inline_asm(None, [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip)],
-                    f"cp.async.{mode}.shared.global [$0], [$1], {nbytes};", "r,l", has_side_effects=True)
+def _cp_async(dst, src, nbytes: int, cache: str = "cg", src_bytes=None, *, loc=None, ip=None):
+    """cp.async of nbytes from global address src to shared address dst; cache "cg": L2 only (the
+    streamed codes, 16 bytes), "ca": through L1 (activations, re-read by the blocks of an SM).
+    src_bytes (Int32, optional): read only that many bytes, zero-filling the rest (0: no read)."""
+    ops = [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip)]
+    if src_bytes is None:
+        llvm.inline_asm(None, ops, f"cp.async.{cache}.shared.global [$0], [$1], {nbytes};", "r,l",
+                        has_side_effects=True)
+    else:
+        llvm.inline_asm(None, ops + [cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+                        f"cp.async.{cache}.shared.global [$0], [$1], {nbytes}, $2;", "r,l,r", has_side_effects=True)
 
 
 @dsl_user_op
@@ -144,11 +177,13 @@ def _ldg_u8(addr, *, loc=None, ip=None):
 
 
 @cute.jit
-def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.Tensor,
-                 accs: cutlass.Constexpr):
-    """acc (accs C fragments, summed into acc[0:4] at the end) += this warp's chunks of dequant(w[e, row0:row0+16]) @ x[xrow] for
-    int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb
-    ([E, rows, groups]); x's columns in decode order, times 2^X_EXP."""
+def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
+                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr):
+    """acc (accs C fragments, summed into acc[0:4] at the end) += this warp's chunks of
+    dequant(w[e, row0:row0+16]) @ x[rows of the token columns].T for int32 code words at global
+    address wb ([E, rows, groups * 4]) with scale bytes at sb ([E, rows, groups]); x's columns in
+    decode order, times 2^X_EXP. xrow: the x row this lane stages (tokens = 1: the one row;
+    8: token column lane // 4's row, copied if `named`)."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
@@ -158,20 +193,21 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.
     chunks = (groups + CHUNK_GROUPS - 1) // CHUNK_GROUPS
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
     smem = cutlass.memory.SmemAllocator()
-    ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * STAGE_BYTES // 4,)),
-                                16).iterator.toint() + warp * (STAGES * STAGE_BYTES)
+    stage_bytes = X_OFF + X_ROW * tokens
+    ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
+                                16).iterator.toint() + warp * (STAGES * stage_bytes)
     top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
     bot = top + cutlass.Int64(8 * groups * 16)
     s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
     s_bot = s_top + cutlass.Int64(8 * groups)
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
-    x_dst = X_OFF + (lane // 8) * 80 + (lane % 8) * 8     # this lane's 8 bytes of the chunk's x
+    x_read = X_OFF + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
     raw = cute.make_rmem_tensor((2 * STAGES,), cutlass.Int32)   # scale bytes of rows g, g + 8 per slot
 
-    src = (lane, q, groups, cols, top, bot, xsrc, x_dst, s_top, s_bot)
+    src = (lane, q, groups, cols, top, bot, xsrc, named, tokens, s_top, s_bot)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
-            raw[2 * u], raw[2 * u + 1] = _issue(ring + u * STAGE_BYTES, warp + u * WARPS, *src)
+            raw[2 * u], raw[2 * u + 1] = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
         cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
@@ -180,9 +216,9 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, acc: cute.
                 # Groups committed so far: STAGES + j; all but the newest STAGES - 1 done = chunk j.
                 cute.arch.cp_async_wait_group(STAGES - 1)
                 cute.arch.sync_warp()                      # every lane's copies of slot u visible
-                slot = ring + u * STAGE_BYTES
+                slot = ring + u * stage_bytes
                 codes = [_lds128(slot + lane * 16), _lds128(slot + 512 + lane * 16)]
-                xs = [_lds128(slot + X_OFF + q * 80 + k * 16) for k in range(4)]
+                xs = [_lds128(slot + x_read + k * 16) for k in range(4)]
                 c = warp + j * WARPS
                 valid = cutlass.Int32(c * CHUNK_GROUPS + q < groups)
                 factors = [(raw[2 * u + h] + FACTOR_BIAS) * (valid * cutlass.Int32(raw[2 * u + h] != 0)) * 0x00800080
@@ -209,70 +245,108 @@ def _block_sum(acc: cute.Tensor, i: cutlass.Constexpr):
     return part[lane, 0] + part[lane, 1] + part[lane, 2] + part[lane, 3]
 
 
+@cute.jit
+def _column_sums(acc: cute.Tensor, tokens: cutlass.Constexpr):
+    """The four warps' C fragments summed (valid in warp 0): element i holds row g + 8 (i // 2),
+    token column 2q + i % 2 (T = 1: only the column-0 elements 0 and 2)."""
+    return [_block_sum(acc, i) if tokens > 1 or i % 2 == 0 else None for i in range(4)]
+
+
+@cute.jit
+def _slot_of(slots: cute.Tensor, u, j: cutlass.Constexpr):
+    """The slot of the token column this warp-0 lane stores with fragment column j (T = 1: column 0,
+    lanes q = 0 only), or -1 (nothing to store)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    q = tidx % 4
+    s = cutlass.Int32(-1)
+    if tidx < LANES:
+        if cutlass.const_expr(slots.shape[1] > 1):
+            s = slots[u, 2 * q + j]
+        elif q == 0:
+            s = slots[u, 0]
+    return s
+
+
+@cute.jit
+def _token_row(slots: cute.Tensor, u, per_row: cutlass.Constexpr, div):
+    """(The activation row this lane stages, whether its column is named): token column lane // 4
+    (T = 1: column 0), read at slot // div."""
+    tidx, _, _ = cute.arch.thread_idx()
+    slot = slots[u, (tidx % LANES) // 4 if per_row > 1 else 0]
+    return cutlass.max(slot, 0) // div, slot >= 0
+
+
 @cute.kernel
-def _gate_up_kernel(z: cute.Tensor, ids: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
+def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
                     w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, slot, _ = cute.arch.block_idx()
-    tiles = w1.shape[1] // TILE
-    e = ids[slot]
-    xrow = slot // (ids.shape[0] // z.shape[0])
-    is_up = bidx >= tiles
-    row0 = (bidx - tiles * cutlass.Int32(is_up)) * TILE
-    acc = cute.make_rmem_tensor((4 * GATE_UP_ACCS,), cutlass.Float32)
-    acc.fill(0.0)
-    # One copy of the loop for both matrices (instruction cache): select the base addresses.
-    up_i = cutlass.Int64(is_up)
-    wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
-    sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
-    _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, acc, GATE_UP_ACCS)
-    # C fragment: lanes q = 0 hold column 0 of rows g (element 0) and g + 8 (element 2).
-    top = _block_sum(acc, 0)
-    bot = _block_sum(acc, 2)
-    lane = tidx % LANES
-    if tidx < LANES and lane % 4 == 0:
-        row = row0 + lane // 4
-        if is_up:
-            up[slot, row] = top.to(up.element_type)
-            up[slot, row + 8] = bot.to(up.element_type)
-        else:
-            gate[slot, row] = top.to(gate.element_type)
-            gate[slot, row + 8] = bot.to(gate.element_type)
+    bidx, u, _ = cute.arch.block_idx()
+    e = experts[u]
+    if e < w1.shape[0]:
+        tokens = slots.shape[1]
+        tiles = w1.shape[1] // TILE
+        is_up = bidx >= tiles
+        row0 = (bidx - tiles * cutlass.Int32(is_up)) * TILE
+        acc = cute.make_rmem_tensor((4 * GATE_UP_ACCS,), cutlass.Float32)
+        acc.fill(0.0)
+        # One copy of the loop for both matrices (instruction cache): select the base addresses.
+        up_i = cutlass.Int64(is_up)
+        wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
+        sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
+        xrow, named = _token_row(slots, u, tokens, gate.shape[0] // z.shape[0])   # slot // k = token
+        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, GATE_UP_ACCS, tokens)
+        total = _column_sums(acc, tokens)
+        row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
+        for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
+            slot = _slot_of(slots, u, j)
+            if slot >= 0:
+                if is_up:
+                    up[slot, row] = total[j].to(up.element_type)
+                    up[slot, row + 8] = total[2 + j].to(up.element_type)
+                else:
+                    gate[slot, row] = total[j].to(gate.element_type)
+                    gate[slot, row + 8] = total[2 + j].to(gate.element_type)
 
 
 @cute.kernel
-def _down_kernel(hid: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
-                 s2: cute.Tensor, part: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, slot, _ = cute.arch.block_idx()
-    row0 = bidx * TILE
-    acc = cute.make_rmem_tensor((4 * DOWN_ACCS,), cutlass.Float32)
-    acc.fill(0.0)
-    _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, ids[slot], row0, slot, acc,
-                 DOWN_ACCS)
-    top = _block_sum(acc, 0)
-    bot = _block_sum(acc, 2)
-    lane = tidx % LANES
-    if tidx < LANES and lane % 4 == 0:
-        row = row0 + lane // 4
-        # The reference rounds each expert's output to the activation dtype before combining.
-        part[slot, row] = weights[slot] * top.to(hid.element_type).to(cutlass.Float32)
-        part[slot, row + 8] = weights[slot] * bot.to(hid.element_type).to(cutlass.Float32)
+def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
+                 w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor):
+    bidx, u, _ = cute.arch.block_idx()
+    e = experts[u]
+    if e < w2.shape[0]:
+        tokens = slots.shape[1]
+        row0 = bidx * TILE
+        acc = cute.make_rmem_tensor((4 * DOWN_ACCS,), cutlass.Float32)
+        acc.fill(0.0)
+        xrow, named = _token_row(slots, u, tokens, 1)
+        _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, e, row0, xrow, named,
+                     acc, DOWN_ACCS, tokens)
+        total = _column_sums(acc, tokens)
+        row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
+        for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
+            slot = _slot_of(slots, u, j)
+            if slot >= 0:
+                # The reference rounds each expert's output to the activation dtype before combining.
+                part[slot, row] = weights[slot] * total[j].to(hid.element_type).to(cutlass.Float32)
+                part[slot, row + 8] = weights[slot] * total[2 + j].to(hid.element_type).to(cutlass.Float32)
 
 
 @cute.jit
-def gate_up(z: cute.Tensor, ids: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor, w3: cute.Tensor,
-            s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
-    """z [N, M] bf16 (columns in decode order, times 2^X_EXP), ids [S] int32, w1/w3 int32
-    [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up [S, I] bf16 (I % 16 == 0)."""
-    grid = (2 * (w1.shape[1] // TILE), ids.shape[0], 1)
-    _gate_up_kernel(z, ids, w1, s1, w3, s3, gate, up).launch(grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
+def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
+            w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
+    """z [N, M] bf16 (columns in decode order, times 2^X_EXP), experts [U] int32, slots [U, T]
+    int32 (T static, one of TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
+    [S, I] bf16 at the named slots (I % 16 == 0; S = N * k)."""
+    grid = (2 * (w1.shape[1] // TILE), experts.shape[0], 1)
+    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up).launch(
+        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
 @cute.jit
-def down(hid: cute.Tensor, ids: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-         part: cute.Tensor, stream: cuda.CUstream):
-    """hid [S, I] bf16 (columns in decode order, times 2^X_EXP), ids [S] int32, weights [S] f32,
-    w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 (M % 16 == 0)."""
-    grid = (w2.shape[1] // TILE, ids.shape[0], 1)
-    _down_kernel(hid, ids, weights, w2, s2, part).launch(grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
+def down(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
+         s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
+    """hid [S, I] bf16 (columns in decode order, times 2^X_EXP), experts [U] int32, slots [U, T]
+    int32, weights [S] f32, w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 at the
+    named slots (M % 16 == 0)."""
+    grid = (w2.shape[1] // TILE, experts.shape[0], 1)
+    _down_kernel(hid, experts, slots, weights, w2, s2, part).launch(
+        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
