@@ -13,9 +13,9 @@ once and written once: each program's [d, d / splits] column slab travels GMEM -
 meanwhile from the small inputs, which every split does whole (cheap next to the slab): the
 short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k and v channels, L2
 norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
-softplus form) and beta. The slab then sits in registers in the wgmma layout (128 / splits
-f32 a thread at d = 128), where the delta rule is a few broadcasts and two column reductions; o
-is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
+softplus form) and beta (`_head_inputs`, shared with the prep kernel below). The slab then
+sits in registers in the wgmma layout (128 / splits f32 a thread at d = 128), where the delta
+rule is a few broadcasts and two column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
 place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
 held twice; before session 6 XLA copied every layer's state after the kernel). The
 gated RMSNorm (ops.gated_rms_norm) needs the head's whole o: with one split it runs in the
@@ -40,15 +40,31 @@ per SM, 2 splits, whose halved register slab lets more programs stay resident (K
 1 (Kimi-Linear b8 19.7 / 25.2 / 22.4). Splitting repeats the small inputs' work and reads (L2
 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of bytes).
 
-Where the inputs are prepared (`prepares_inputs_in_xla`): the per-program chain of small loads,
-conv, norms and reductions, not the slab's TMA, bounds the kernel above (a variant streaming
-several items' slabs through a TMA pipeline per program was slower; BENCHMARKS.md, session 7).
-From two (sequence, head) pairs per SM, ops.kda_inputs therefore runs as XLA ops first and a
-second kernel (`_state_kernel`) does only the delta rule on ready q, k, v, decay and beta: that
-kernel alone streams the state at ~91% of the copy rate (K3 b128: 411 us for 1.6 GB), and the
-whole op, XLA's ~20-60 us of input fusions included, is K3 b32 / b128 74.9% / 83.2% of its roofline
-(fused 55.0% / 57.7%), b8 53.2% (48.5%). Below that the fused kernel stays (batch 1: the extra
-launches cost more than they save).
+Where the inputs are prepared (`prep_mode`, `kda_decode(prep=...)`): the per-program chain of
+small loads, conv, norms and reductions, not the slab's TMA, bounds the fused kernel above (a
+variant streaming several items' slabs through a TMA pipeline per program was slower;
+BENCHMARKS.md, session 7). From two (sequence, head) pairs per SM the inputs are therefore
+prepared first and a second kernel (`_state_kernel`) does only the delta rule on ready q, k, v,
+decay and beta: alone it streams the state at ~91% of the copy rate (K3 b128: 411 us for 1.6 GB).
+"kernel" prepares them with `_prep_kernel` (one launch; the per-head code is the fused kernel's,
+`_head_loads` + `_head_math`: conv + SiLU, L2 norms, q * d^-0.5, the decay already exponentiated,
+beta, the shifted window); "xla" runs ops.kda_step_inputs as XLA ops (5+ launches). Measured
+(session 9, H200, donated state, CUPTI sum per call, default splits 2; us and roofline fraction):
+K3 b8 xla 46.2 (53.4%) / kernel 39.1 (63.1%; prep kernel 6.5 us, XLA norm 2.2), b32 131.8 (74.5%)
+/ 132.8 (73.9%; prep 21.9), b128 470.6 (83.4%) / 491.8 (79.8%; prep 74.4); fused b1 8.8 (36.6%),
+b8 49.5 (49.8%). The prep kernel is bound by per-program latency, not bytes (~6.5 MB at b8,
+~1.5 us of them): one warpgroup per (sequence, head) is the fastest measured. Letting a program
+loop over `group` consecutive heads (the next head's loads issued before this head's math,
+outputs through double-buffered SMEM; kept as an ablation knob) was slower at every size tried
+(session 9, prep kernel alone, us: K3 b8 G = 1 / 2 / 4: 5.8 / 8.7 / 9.0; b128 G = 8 / 32: 105.0 /
+132.9, G = 1 74.4 in the step): fewer programs in flight hide less of each one's serial
+load -> math -> store chain. `prep_mode` picks "kernel" up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs
+per SM (K3 b8), "xla" above (b32: a tie; b128: XLA's fusions are cheaper than 12288 programs).
+After a prep the splits are PREPPED_SPLITS (2; with 1 the gated norm runs in the state kernel
+instead of a separate 2.3 us XLA fusion, but the state kernel slowed from 30.7 to 42.8 us at b8
+and 107.2 to 140.1 at b32, session 9). The conv window is not updated in place (its bytes are
+the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
+launch costs more than it saves).
 """
 
 from __future__ import annotations
@@ -68,6 +84,12 @@ WGMMA = plgpu.Layout.WGMMA
 ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / columns (value)
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
+PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`, `prep_mode`)
+# The delta-rule-only kernel's splits from two (sequence, head) pairs per SM (`plan`): 2 as for the
+# fused kernel (session 5; 1 measured slower after a prep, session 9: module doc).
+PREPPED_SPLITS = 2
+# "kernel" prep up to this many (sequence, head) pairs per SM, "xla" above (`prep_mode`).
+PREP_KERNEL_MAX_PAIRS_PER_SM = 16
 
 
 def _state_tiling(cols: int):
@@ -77,19 +99,31 @@ def _state_tiling(cols: int):
     return plgpu.TilingTransform((8, row // 4)), plgpu.SwizzleTransform(row)
 
 
-def plan(batch: int, heads: int, sms: int) -> int:
-    """Value-column splits per (sequence, head), as measured best on the H200 (module doc): 4 while
-    the (sequence, head) pairs are fewer than the SMs, 2 from two pairs per SM, else 1."""
+def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
+    """Value-column splits per (sequence, head), as measured best on the H200 for the fused kernel
+    (module doc): 4 while the (sequence, head) pairs are fewer than the SMs, 2 from two pairs per
+    SM (PREPPED_SPLITS after a prep, "xla" or "kernel"), else 1."""
     pairs = batch * heads
-    return 4 if pairs < sms else 2 if pairs >= 2 * sms else 1
+    if pairs < sms:
+        return 4
+    if pairs < 2 * sms:
+        return 1
+    return 2 if prep == "fused" else PREPPED_SPLITS
 
 
-def prepares_inputs_in_xla(batch: int, heads: int, sms: int) -> bool:
-    """Whether ops.kda_inputs runs in XLA before a delta-rule-only kernel (from two (sequence,
-    head) pairs per SM, as measured on the H200 with a donated state, session 7: K3 b8 / b32 /
-    b128 50.9 -> 46.3, 178.5 -> 131.1, 679.4 -> 471.7 us) rather than inside the kernel (fewer
-    pairs: the extra XLA launches cost more than they save; K3 b1 ~11 us fused, ~16 us)."""
-    return batch * heads >= 2 * sms
+def prep_mode(batch: int, heads: int, sms: int) -> str:
+    """Where the inputs (ops.kda_step_inputs) are prepared (module doc). Below two (sequence, head)
+    pairs per SM "fused" (inside the one kernel: a second launch costs more than it saves; K3 b1
+    ~11 us fused, ~16 us with XLA's prep). From there the inputs are prepared first, which paid
+    off on the H200 even as XLA ops (session 7, donated state: K3 b8 / b32 / b128 50.9 -> 46.3,
+    178.5 -> 131.1, 679.4 -> 471.7 us): by `_prep_kernel` ("kernel") up to
+    PREP_KERNEL_MAX_PAIRS_PER_SM pairs per SM, by XLA ("xla") above. Measured (session 9, CUPTI
+    sum, us, xla / kernel): K3 b8 46.2 / 39.1 (5.8 pairs per SM), b32 131.8 / 132.8 (23), b128
+    470.6 / 491.8 (93)."""
+    pairs = batch * heads
+    if pairs < 2 * sms:
+        return "fused"
+    return "kernel" if pairs <= PREP_KERNEL_MAX_PAIRS_PER_SM * sms else "xla"
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
@@ -111,17 +145,118 @@ def _vec(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
+def _launch(body, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], *args):
+    """`body` as a Mosaic GPU kernel (one warpgroup per program, Lane semantics) over `grid`."""
+    return plgpu.kernel(
+        body, out_type=out_type, grid=grid, grid_names=grid_names,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=mgpu.interpret_params(),
+    )(*args)
+
+
 def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
     """Runs `body` over grid (B, H, splits) with `recurrent` [B, H, d, d] float32 as its last
     operand, a mutable ref the call aliases and updates in place (a donated decode state is
     neither copied nor allocated twice) -> (body's outputs, new recurrent)."""
     state = jax.new_ref(recurrent)
-    out = plgpu.kernel(
-        body, out_type=out_type, grid=grid, grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=mgpu.interpret_params(),
-    )(*args, state)
+    out = _launch(body, out_type, grid, ("b", "h", "s"), *args, state)
     return out, jax.freeze(state)
+
+
+def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
+    """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
+    GMEM refs conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias -> a pytree for `_head_math`:
+    per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
+    all in the row layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so that a
+    program can start the next head's loads before this head's math (`_prep_kernel`)."""
+    km1, c3 = cs_g.shape[1:]
+    p = c3 // 3
+
+    def part(i):
+        ch = pl.ds(i * p + h * d, d)
+        # conv_w's columns are strided, which only the row layout loads.
+        return ([_vec(cs_g.at[b, j, ch], ROW) for j in range(km1)] + [_vec(qkv_g.at[b, ch], ROW)],
+                [_vec(cw_g.at[ch, j], ROW) for j in range(km1 + 1)])
+
+    heads = pl.ds(h * d, d)
+    return [part(i) for i in range(3)], _vec(f_g.at[b, heads], ROW), _vec(dtb_g.at[heads], ROW), alog_g[h], bl_g[b, h]
+
+
+def _head_math(loaded, win_smem, *, lower_bound: float | None):
+    """Inside a kernel: ops.kda_step_inputs on one head's `_head_loads` -> (q, k, v, decay = exp(g):
+    [d] float32 in the row layout; beta: a float32 scalar), and the head's shifted conv window
+    (rows 1..K-2, then the new input; bf16) into win_smem [3 (q, k, v channels), K-1, d]."""
+    parts, f, dt_bias, a_log, beta_logit = loaded
+    d = f.shape[0]
+
+    def conv(i):
+        taps, weights = parts[i]
+        for j in range(len(taps) - 1):
+            win_smem[i, j] = taps[j + 1].astype(win_smem.dtype)
+        return ops.conv_taps(taps, weights)
+
+    q = ops.l2_normalize(conv(0)) * d ** -0.5
+    k = ops.l2_normalize(conv(1))
+    v = conv(2)
+    # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
+    g = ops.log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32)), lower_bound)
+    return q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
+
+
+def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h, *, lower_bound: float | None):
+    """`_head_math` of `_head_loads` for sequence b, head h: (q, k, v, decay, beta), window -> win_smem."""
+    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, win_smem.shape[-1])
+    return _head_math(loaded, win_smem, lower_bound=lower_bound)
+
+
+def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_heads: int,
+                 lower_bound: float | None, group: int = 1):
+    """ops.kda_step_inputs as one kernel over grid (B, H / group): one warpgroup per sequence and
+    `group` consecutive heads (1, the fastest measured; more for ablations: module doc), looping over them with the next head's loads
+    issued before this head's math -> ((q, k, v, decay = exp(g) [B, H, d] float32, beta [B, H]
+    float32), new conv_state [B, K-1, 3P])."""
+    b_n, km1, c3 = conv_state.shape
+    p = c3 // 3
+    h_n, d = num_heads, p // num_heads
+    if group < 1 or h_n % group:
+        raise ValueError(f"_prep_kernel: group={group} does not divide num_heads={h_n}")
+    copies = 4 + 3      # TMA stores per head: q, k, v, decay; the window's three parts
+
+    def kda_step_prep(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, q_g, k_g, v_g, dec_g, beta_g, cs_out_g):
+        b, h0 = jax.lax.axis_index("b"), jax.lax.axis_index("h") * group
+
+        def loads(i):
+            return _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h0 + i, d)
+
+        def scoped(vec_smem, win_smem):
+            def head(i, loaded):
+                # The next head's loads go out before this head's math (the last head reloads itself).
+                nxt = loads(jnp.minimum(i + 1, group - 1))
+                slot = i % 2        # SMEM double buffer: the stores of head i - 2 must have read it
+                plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
+                *vecs, beta = _head_math(loaded, win_smem.at[slot], lower_bound=lower_bound)
+                h = h0 + i
+                for j, x in enumerate(vecs):
+                    vec_smem[slot, j] = x
+                beta_g[b, h] = beta
+                plgpu.commit_smem()
+                for j, out in enumerate((q_g, k_g, v_g, dec_g)):
+                    plgpu.copy_smem_to_gmem(vec_smem.at[slot, j], out.at[b, h])
+                for part in range(3):
+                    plgpu.copy_smem_to_gmem(win_smem.at[slot, part], cs_out_g.at[b, :, pl.ds(part * p + h * d, d)])
+                return nxt
+
+            jax.lax.fori_loop(0, group, head, loads(0))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(scoped, plgpu.SMEM((2, 4, d), f32), plgpu.SMEM((2, 3, km1, d), conv_state.dtype))
+
+    vec = jax.ShapeDtypeStruct((b_n, h_n, d), f32)
+    *inputs, conv = _launch(
+        kda_step_prep, (vec, vec, vec, vec, jax.ShapeDtypeStruct((b_n, h_n), f32),
+                        jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
+        (b_n, h_n // group), ("b", "h"), conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias)
+    return tuple(inputs), conv
 
 
 def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
@@ -150,7 +285,6 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     b_n, km1, c3 = conv_state.shape
     h_n, d = num_heads, recurrent.shape[-1]
     p = c3 // 3
-    ksize = km1 + 1
     w = d // splits         # value columns per program
     bf16 = qkv.dtype
 
@@ -162,30 +296,16 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             # The state's read is the step's cost: start it before anything else.
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
-            def conv(part, layout):
-                ch = pl.ds(part * p + h * d, d)
-                taps = [_vec(cs_g.at[b, j, ch], layout) for j in range(km1)] + [_vec(qkv_g.at[b, ch], layout)]
-                # The shifted window (rows 1..K-2, then the new input) for the new conv state.
-                for j in range(km1):
-                    win_smem[part, j] = taps[j + 1].astype(bf16)
-                return ops.conv_taps(taps, [_vec(cw_g.at[ch, j], layout) for j in range(ksize)])
-
             # q, k, the decay and beta are per key channel (rows): every split computes them whole.
-            q = ops.l2_normalize(conv(0, ROW)) * d ** -0.5
-            k = ops.l2_normalize(conv(1, ROW))
-            # conv_w's columns are strided, which only the row layout loads: v goes through SMEM
-            # to reach the column layout the update needs (and this program's columns of it).
-            v_smem[...] = conv(2, ROW)
-            heads = pl.ds(h * d, d)
-            # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
-            g = ops.log_decay(_vec(f_g.at[b, heads], ROW).astype(f32) + _vec(dtb_g.at[heads], ROW).astype(f32),
-                              jnp.exp(alog_g[h].astype(f32)), lower_bound)
-            beta = jax.nn.sigmoid(bl_g[b, h].astype(f32))
-
+            q, k, v, decay, beta = _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h,
+                                                lower_bound=lower_bound)
+            # v goes through SMEM to reach the column layout the update needs (this program's columns).
+            v_smem[...] = v
             plgpu.commit_smem()
             v = plgpu.load(v_smem.at[cols], layout=COL)
             plgpu.barrier_wait(bar)
-            _delta_rule(s_smem, q, k, v, jnp.exp(g), beta, o_smem, bf16,
+            heads = pl.ds(h * d, d)
+            _delta_rule(s_smem, q, k, v, decay, beta, o_smem, bf16,
                         norm=(_vec(gate_g.at[b, heads], COL), _vec(on_g, COL), eps) if splits == 1 else None)
             plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
             plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
@@ -209,7 +329,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
 
 
 def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, splits: int):
-    """The delta rule alone, on inputs XLA prepared (ops.kda_inputs): q, k, v, decay [B, H, d]
+    """The delta rule alone, on prepared inputs (ops.kda_step_inputs): q, k, v, decay [B, H, d]
     float32, beta [B, H] float32, gate [B, P] -> (o [B, P] bf16, gated-normed if splits == 1,
     new recurrent, in place)."""
     b_n, h_n, d = q.shape
@@ -240,29 +360,36 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
-               inputs_in_xla: bool | None = None):
+               prep: str | None = None):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
-    value-column split; inputs_in_xla (default `prepares_inputs_in_xla`): the conv, norms, decay
-    and beta (ops.kda_step_inputs) run as XLA ops before a kernel that does only the delta rule, else
-    inside the kernel. Both are for ablations and benchmarks."""
+    value-column split; prep (one of PREPS; default `prep_mode`) where the conv, norms, decay and
+    beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
+    `_prep_kernel` and "xla" by XLA ops, both before a kernel
+    that does only the delta rule. Both overrides are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
+    if prep is not None and prep not in PREPS:
+        raise ValueError(f"kda_decode: prep={prep!r}; choose one of {PREPS}")
     why = unsupported(conv_state, qkv, f, num_heads)
     if why is not None:
         return registry.fallback("kda_decode", "pallas", why)(
             conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
             num_heads=num_heads, lower_bound=lower_bound, eps=eps)
     sms = mgpu.num_sms()
-    splits = splits or plan(qkv.shape[0], num_heads, sms)
-    if inputs_in_xla is None:
-        inputs_in_xla = prepares_inputs_in_xla(qkv.shape[0], num_heads, sms)
-    if inputs_in_xla:
-        (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
-                                                       num_heads, lower_bound)
-        o, s = _state_kernel(q, k, v, jnp.exp(g), beta, gate, o_norm, recurrent, eps=eps, splits=splits)
-    else:
+    prep = prep or prep_mode(qkv.shape[0], num_heads, sms)
+    splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
+    if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
+    else:
+        if prep == "kernel":
+            (q, k, v, decay, beta), conv = _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
+                                                        num_heads=num_heads, lower_bound=lower_bound)
+        else:
+            (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
+                                                           num_heads, lower_bound)
+            decay = jnp.exp(g)
+        o, s = _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, eps=eps, splits=splits)
     if splits > 1:      # the norm needs the whole head's o, spread over `splits` programs
         b, p = o.shape
         o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,
@@ -308,8 +435,10 @@ def cases() -> list[registry.Case]:
     # Kimi-Linear's softplus decay form (no lower bound).
     small += [registry.Case(f"softplus_b{b}_h{h}_d{d}", _make(b, h, d), _kw(h, None), batch=b)
               for b, h, d in ((1, 2, 128), (2, 2, 64))]
-    # The delta-rule-only kernel, which the size rule picks only from two pairs per SM.
-    small += [registry.Case(f"xla_inputs_{name}", _make(b, h, d), kw, batch=b, kernel_kwargs=(("inputs_in_xla", True),))
+    # The delta-rule-only kernel after the prep kernel (which the size rule picks only from two
+    # pairs per SM) and after XLA's prep (ablation).
+    small += [registry.Case(f"{prep}_prep_{name}", _make(b, h, d), kw, batch=b, kernel_kwargs=(("prep", prep),))
+              for prep in ("kernel", "xla")
               for name, (b, h, d), kw in (("b2_h3_d128", (2, 3, 128), _kw(3)), ("softplus_b2_h2_d64", (2, 2, 64), _kw(2, None)))]
     # Outside the kernel's coverage: must still match (the reference runs).
     small.append(registry.Case("fallback_f32", _make(1, 2, 64, dtype=f32), _kw(2), batch=1))

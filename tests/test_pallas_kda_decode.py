@@ -1,7 +1,8 @@
-"""The Pallas (Mosaic GPU) KDA decode-step kernel against k3jax.ops.kda_decode, for every
-value-column split it takes: CPU interpret mode with race detection and NaN-poisoned memory (all
-three outputs checked; both gate forms), CUDA lowering export of the K3 and Kimi-Linear-48B
-shapes on CPU, and the real kernel on a GPU."""
+"""The Pallas (Mosaic GPU) KDA decode-step kernels against k3jax.ops.kda_decode, for every
+value-column split and every place the inputs are prepared (`prep`: in the fused kernel, by the
+prep kernel, by XLA), and the prep kernel alone against k3jax.ops.kda_step_inputs: CPU interpret
+mode with race detection and NaN-poisoned memory (every output checked; both gate forms), CUDA
+lowering export of the K3 and Kimi-Linear-48B shapes on CPU, and the real kernels on a GPU."""
 
 import functools
 
@@ -10,27 +11,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import validate
+from k3jax import ops, validate
 from pallas_kernels import kda_decode as kd
 from pallas_kernels import mgpu, registry
 
 SPEC = registry.spec("kda_decode")
 SMALL = [c for c in SPEC.sweep("small") if not c.kernel_kwargs]   # the tests below pick the kernel
 K3 = SPEC.sweep("k3")
-# (case, splits): every split on the kernel's cases; the fallback case ignores splits.
-# (case, splits, inputs_in_xla): both kernels (inputs prepared in the kernel / by XLA) at every split.
-SMALL_SPLITS = [(c, s, x) for c in SMALL for s in ((None,) if c.name.startswith("fallback") else kd.SPLITS)
-                for x in ((None,) if c.name.startswith("fallback") else (False, True))]
+PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
+# (case, splits, prep): the fused kernel and the delta-rule-only kernel after XLA's prep at every
+# split; after the prep kernel at one split per case (the delta-rule kernel is the same, so the
+# splits rotate over the cases); the fallback case ignores both.
+SMALL_SPLITS = ([(c, s, x) for c in PREPPED for s in kd.SPLITS for x in ("fused", "xla")]
+                + [(c, kd.SPLITS[i % len(kd.SPLITS)], "kernel") for i, c in enumerate(PREPPED)]
+                + [(c, None, None) for c in SMALL if c.name.startswith("fallback")])
 
 
 def _ids(param):
-    return f"{param[0].name}-s{param[1]}" + {None: "", False: "-fused", True: "-xla_inputs"}[param[2]]
+    return f"{param[0].name}-s{param[1]}" + (f"-{param[2]}" if param[2] else "")
 
 
 @pytest.mark.parametrize("param", SMALL_SPLITS, ids=_ids)
 def test_kda_decode_matches_reference_interpret(param):
-    case, splits, xla_in = param
-    fn = functools.partial(kd.kda_decode, splits=splits, inputs_in_xla=xla_in)
+    case, splits, prep = param
+    fn = functools.partial(kd.kda_decode, splits=splits, prep=prep)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
     if not case.name.startswith("fallback"):
@@ -52,41 +56,99 @@ def test_kda_decode_outputs_and_coverage():
     assert kd.unsupported(args[0], args[1], args[3], 2) is None
     with pytest.raises(ValueError, match="splits=3"):
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, splits=3)
+    with pytest.raises(ValueError, match="prep='triton'"):
+        kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="triton")
+
+
+def _check_prep_kernel(case, seed, group=1):
+    """_prep_kernel (`group` heads per program) against ops.kda_step_inputs
+    (decay against exp(g)): q, k, v, decay and beta are float32 math on the same bf16 inputs (ops'
+    formulas, other summation order): float32's tolerance; the conv window is a copy: exact. NaN
+    (an unwritten element) fails."""
+    args = case.make(jax.random.key(seed))
+    conv_state, qkv, conv_w, f, beta_logit, _, a_log, dt_bias, *_ = args
+    h, lb = case.kw["num_heads"], case.kw["lower_bound"]
+    with mgpu.race_detection():
+        out = jax.block_until_ready(jax.jit(lambda *a: kd._prep_kernel(*a, num_heads=h, lower_bound=lb, group=group))(
+            conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias))
+        races = mgpu.races_found() if mgpu.interpret_params() is not None else None
+    (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, h, lb)
+    ref = (q, k, v, jnp.exp(g), beta), conv
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), out) == jax.tree.map(lambda x: (x.shape, x.dtype), ref)
+    errors = [registry.relative_max_error(o, r) for o, r in zip(out[0], ref[0], strict=True)]
+    assert np.max(errors) <= registry.TOLERANCE["float32"], errors     # NaN fails
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(conv, np.float32))
+    return races
+
+
+# Every small case with one head per program (the default) and with all its heads in one program
+# (the ablation's head loop, its prefetch and the double-buffered SMEM; races detected).
+PREP_GROUPS = [(c, g) for c in PREPPED for g in sorted({1, c.kw["num_heads"]})]
+
+
+def _prep_ids(param):
+    return f"{param[0].name}-g{param[1]}"
+
+
+@pytest.mark.parametrize("param", PREP_GROUPS, ids=_prep_ids)
+def test_prep_kernel_matches_kda_step_inputs_interpret(param):
+    case, group = param
+    assert _check_prep_kernel(case, seed=4, group=group) is False
+
+
+def test_prep_kernel_group_must_divide_heads():
+    args = jax.eval_shape(lambda: kd._make(1, 3, 64)(jax.random.key(0)))
+    with pytest.raises(ValueError, match="group=2 does not divide num_heads=3"):
+        kd._prep_kernel(*args[:5], *args[6:8], num_heads=3, lower_bound=-5.0, group=2)
 
 
 def test_kda_decode_plan():
     # The H200 measurements (module doc): 4 below one (sequence, head) pair per SM, 2 from two, else 1.
     assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 1, 2, 2, 2]
     assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 9, 32)] == [4, 4, 1, 1, 2, 2]
-    # XLA prepares the inputs from two pairs per SM (K3 from batch 3, Kimi-Linear from batch 9).
-    assert [kd.prepares_inputs_in_xla(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 128)] == [False, False, True, True]
-    assert [kd.prepares_inputs_in_xla(b, kd.KL_HEADS, 132) for b in (8, 9)] == [False, True]
+    # After a prep, PREPPED_SPLITS from two pairs per SM.
+    assert kd.plan(8, kd.K3_HEADS, 132, "kernel") == kd.plan(8, kd.K3_HEADS, 132, "xla") == kd.PREPPED_SPLITS
+    assert kd.plan(2, kd.K3_HEADS, 132, "kernel") == 1
+    # Inputs prepared first from two pairs per SM (K3 from batch 3, Kimi-Linear from 9): by the prep
+    # kernel up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs per SM, by XLA above (session 9: K3 b8 kernel, b32 xla).
+    assert [kd.prep_mode(b, kd.K3_HEADS, 132) for b in (1, 2, 3)] == ["fused", "fused", "kernel"]
+    assert [kd.prep_mode(b, kd.KL_HEADS, 132) for b in (8, 9)] == ["fused", "kernel"]
+    assert kd.PREP_KERNEL_MAX_PAIRS_PER_SM == 16
+    assert [kd.prep_mode(b, kd.K3_HEADS, 132) for b in (8, 22, 23, 128)] == ["kernel", "kernel", "xla", "xla"]
 
 
 # K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads), every split;
 # d = 64 at 4 splits is the one 64-byte (not 128-byte) swizzled slab.
-@pytest.mark.parametrize("xla_in", (False, True), ids=("fused", "xla_inputs"))
+@pytest.mark.parametrize("prep", kd.PREPS)
 @pytest.mark.parametrize("splits", kd.SPLITS)
 @pytest.mark.parametrize("b,heads,d,lower_bound", [(1, kd.K3_HEADS, kd.K3_D, -5.0), (8, kd.K3_HEADS, kd.K3_D, -5.0),
                                                    (128, kd.K3_HEADS, kd.K3_D, -5.0), (1, kd.KL_HEADS, kd.K3_D, None),
                                                    (32, kd.KL_HEADS, kd.K3_D, None), (2, 4, 64, -5.0)])
-def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, xla_in):
+def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, prep):
     args = jax.eval_shape(lambda: kd._make(b, heads, d, kd.K3_CONV)(jax.random.key(0)))
     fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5, splits=splits,
-                                          inputs_in_xla=xla_in))
+                                          prep=prep))
     with mgpu.compile_for_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
+# The real kernels: fused and XLA-prep at every split, the prep kernel at the default split (the
+# delta-rule kernel after it is the XLA-prep one).
 @pytest.mark.gpu
-@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in (False, True)],
-                         ids=_ids)
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")]
+                         + [(c, None, "kernel") for c in K3], ids=_ids)
 def test_kda_decode_gpu(param):
-    case, splits, xla_in = param
-    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, inputs_in_xla=xla_in),
-                            case, seed=5)
+    case, splits, prep = param
+    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, prep=prep), case, seed=5)
     assert r.passed, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param", PREP_GROUPS + [(c, 1) for c in K3], ids=_prep_ids)
+def test_prep_kernel_gpu(param):
+    case, group = param
+    _check_prep_kernel(case, seed=6, group=group)
 
 
 def test_cpu_judge_script(capsys):
