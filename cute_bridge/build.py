@@ -66,7 +66,9 @@ def compile_kernel(spec: KernelSpec, obj_dir: pathlib.Path) -> None:
     entry = getattr(importlib.import_module(module), fn)
     symbols = {s: cute.sym_int32(divisibility=d) for s, d in spec.symbols.items()}
     fakes = [_fake(a, symbols) for a in spec.args]
-    compiled = cute.compile(entry, *fakes, make_fake_stream(), options=f"--host-target '{HOST_TARGET}'")
+    # The arch as a compile option: CUTE_DSL_ARCH is read once, when cutlass is first imported, so
+    # a process that imported it earlier (the test suite) would otherwise compile for its default.
+    compiled = cute.compile(entry, *fakes, make_fake_stream(), options=f"--gpu-arch {ARCH} --host-target '{HOST_TARGET}'")
     compiled.export_to_c(str(obj_dir), spec.name, function_prefix=spec.name)
 
 
@@ -85,7 +87,6 @@ def link(obj_dir: pathlib.Path, source: pathlib.Path, out: pathlib.Path) -> None
 
 def build(force: bool = False, root: pathlib.Path = BUILD_ROOT, verbose: bool = True) -> pathlib.Path:
     """Builds (or reuses) the library for the current kernel set; returns root/libk3cute.so."""
-    os.environ["CUTE_DSL_ARCH"] = ARCH          # must be set before CuTe compiles anything
     digest = kernel_set_hash()
     out_dir = root / digest
     lib = out_dir / LIBRARY

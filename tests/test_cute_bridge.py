@@ -243,3 +243,12 @@ def test_expert_slots_name_every_kept_slot_once():
     np.testing.assert_array_equal(np.asarray(kept), [[False, True, True, True], [True, True, False, True]])
     named = np.asarray(slots)[np.asarray(slots) >= 0]
     np.testing.assert_array_equal(np.sort(named), np.flatnonzero(np.asarray(kept).reshape(-1)))
+
+
+def test_library_is_built_for_the_target_arch(library):
+    """Every kernel image is for ARCH (sm_90a), even when cutlass was imported before the build (as
+    here: the fixture imports it first), which once produced sm_100a images the H200 cannot load."""
+    import re
+    from cute_bridge.kernel_set import ARCH
+    arches = set(re.findall(rb"sm_[0-9]+a?", library.read_bytes()))
+    assert arches == {ARCH.encode()}, arches
