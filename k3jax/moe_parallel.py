@@ -1,5 +1,8 @@
 """Expert-parallel routed experts: the latent is dispatched to the ranks owning the selected
-experts and combined back, with an explicit `jax.shard_map` over the mesh's "expert" axis.
+experts and combined back, with an explicit `jax.shard_map` over the mesh's "expert" axis. Where
+the "tensor" axis divides E / ep the experts are split over it too (`expert_axes`): the tensor
+ranks of an expert group share its tokens, each runs its own experts' rows, and a psum over
+"tensor" completes them (`_tensor_split`; exact, one rank non-zero per row).
 
 Contract (every variant): `moe_experts(z, ids, weights, experts, ...)` with z [N, M] (the
 latent, M = moe_hidden_size, e.g. 3584), ids/weights [N, k] and the experts sharded
@@ -58,6 +61,7 @@ from k3jax import ops
 f32 = jnp.float32
 VARIANTS = ("ragged", "a2a", "allgather", "packed", "a2a_packed", "allreduce", "device")
 AXIS = "expert"
+TENSOR_AXIS = "tensor"     # experts split over it too where it divides them (`expert_axes`)
 TOKEN_AXES = ("data", "expert")
 # Measured on 2x H200, ep=2, NCCL (BENCHMARKS.md, 2026-11-30 v2): dispatch+combine per layer at
 # 1/8/64 tokens: packed 72/106/107 us (kernels 26/43/55 us per GPU), allreduce 84/94/134,
@@ -74,9 +78,10 @@ ROW_CHUNK = ops.DENSE_DISPATCH_MAX_TOKENS
 
 
 def active_mesh():
-    """The mesh set by `jax.set_mesh` (or None) when it has an expert axis larger than 1."""
+    """The mesh set by `jax.set_mesh` (or None) when its "expert" or "tensor" axis (the axes the
+    routed experts are split over) is larger than 1."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+    if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] * mesh.shape.get(TENSOR_AXIS, 1) == 1:
         return None
     return mesh
 
@@ -160,10 +165,10 @@ def _unpack(rows, m: int, k: int, num_ids: int) -> tuple[jax.Array, jax.Array]:
     return rows[:, :m], sum(digits[..., j] * base ** j for j in range(d))
 
 
-def _a2a(z, ids, weights, experts, *, expert_fn, packed=False):
+def _a2a(z, ids, weights, experts, *, expert_fn, e_local, packed=False):
     n, k = ids.shape
     m = z.shape[1]
-    ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
+    ep, pairs = jax.lax.axis_size(AXIS), n * k
     dest, local = _destinations(ids, e_local)
     onehot = dest[:, None] == jnp.arange(ep)[None]                              # [pairs, ep]
     pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, jnp.minimum(dest, ep - 1)[:, None], 1)[:, 0]
@@ -190,9 +195,9 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _ragged(z, ids, weights, experts, *, expert_fn):
+def _ragged(z, ids, weights, experts, *, expert_fn, e_local):
     n, k = ids.shape
-    ep, e_local, pairs = jax.lax.axis_size(AXIS), experts.num_experts, n * k
+    ep, pairs = jax.lax.axis_size(AXIS), n * k
     me = jax.lax.axis_index(AXIS)
     dest, local = _destinations(ids, e_local)
     order = jnp.argsort(dest, stable=True)                                      # by owner; padding last
@@ -217,14 +222,14 @@ def _ragged(z, ids, weights, experts, *, expert_fn):
     return ops.combine_slots(per_slot, weights, z.dtype)
 
 
-def _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens: int) -> jax.Array:
+def _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens: int, e_local: int) -> jax.Array:
     """Every token of the group [ep*n, M] / [ep*n, k] -> per-slot outputs [ep*n, k, M] of this
     rank's experts, zero on the slots other ranks own and on padding.
 
     Padding sits at the end of the N tokens, so the first group holds the most real tokens,
     min(ep*n, N): the tokens past that are padding in every group and are left out.
     """
-    k, e_local = ids_all.shape[1], experts.num_experts
+    k = ids_all.shape[1]
     t = min(ids_all.shape[0], n_tokens)
     ids = ids_all[:t].reshape(-1)
     mine = ids // e_local == jax.lax.axis_index(AXIS)                          # padding (id E): nobody's
@@ -234,49 +239,50 @@ def _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens: int) -> jax.
     return jnp.pad(y, ((0, ids_all.shape[0] - t), (0, 0), (0, 0)))
 
 
-def _allgather(z, ids, weights, experts, *, expert_fn, n_tokens):
+def _allgather(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
     z_all = jax.lax.all_gather(z, AXIS, tiled=True)                             # [ep*n, M]
     ids_all = jax.lax.all_gather(ids, AXIS, tiled=True)                         # [ep*n, k]
-    y = _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens)
+    y = _gathered_experts(z_all, ids_all, experts, expert_fn, n_tokens, e_local)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
     return ops.combine_slots(per_slot, weights, z.dtype)
 
 
-def _packed(z, ids, weights, experts, *, expert_fn, n_tokens):
+def _packed(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
     n, k = ids.shape
-    num_ids = experts.num_experts * jax.lax.axis_size(AXIS) + 1                 # + the padding id E
+    num_ids = e_local * jax.lax.axis_size(AXIS) + 1                             # + the padding id E
     rows = jax.lax.all_gather(_pack(z, ids, num_ids), AXIS, tiled=True)        # [ep*n, M + c]
-    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens, e_local)
     per_slot = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # [n, k, M]
     return ops.combine_slots(per_slot, weights, z.dtype)
 
 
-def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens):
+def _allreduce(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
     n, k = ids.shape
     ep, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    num_ids = experts.num_experts * ep + 1                                      # + the padding id E
+    num_ids = e_local * ep + 1                                                  # + the padding id E
     mine = _pack(z, ids, num_ids)
     # My rows in my slot, zeros elsewhere: the sum over ranks is the all-gather, exactly.
     rows = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
         jnp.zeros((ep * n, mine.shape[1]), mine.dtype), mine, me * n, 0), AXIS)
-    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens)
+    y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens, e_local)
     # One rank non-zero per slot: the sum is exact; keep my tokens' rows.
     per_slot = jax.lax.dynamic_slice_in_dim(jax.lax.psum(y, AXIS), me * n, n, 0)
     return ops.combine_slots(per_slot, weights, z.dtype)
 
 
-def _device(z, ids, weights, experts, *, expert_fn, n_tokens):
+def _device(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
     from pallas_kernels import ep_dispatch
     n, k = ids.shape
     m, ep = z.shape[1], jax.lax.axis_size(AXIS)
-    num_ids = experts.num_experts * ep + 1                                      # + the padding id E
+    num_ids = e_local * ep + 1                                                  # + the padding id E
     mine = _pack(z, ids, num_ids)
     c = mine.shape[1]
     # Columns padded to the kernel's tile width here, where XLA fuses the zeros into the packing.
     mine = jnp.pad(mine, ((0, 0), (0, -c % ep_dispatch.COL_TILE)))
     back_like = jax.ShapeDtypeStruct((ep, n * k, m), z.dtype)
     rows, pending = ep_dispatch.exchange(mine, AXIS, reply_like=back_like)
-    y = _gathered_experts(*_unpack(rows.reshape(ep * n, -1)[:, :c], m, k, num_ids), experts, expert_fn, n_tokens)
+    y = _gathered_experts(*_unpack(rows.reshape(ep * n, -1)[:, :c], m, k, num_ids), experts, expert_fn, n_tokens,
+                          e_local)
     # Rank q's rows for my tokens, zero on the slots q does not own: one rank non-zero per slot,
     # so the float32 sum over ranks is exact (psum_scatter's result, bit for bit). The reply
     # reuses the dispatch's synchronisation (no second device barrier).
@@ -291,24 +297,49 @@ _IMPLS = {"ragged": _ragged, "a2a": _a2a, "allgather": _allgather, "packed": _pa
           "a2a_packed": partial(_a2a, packed=True), "allreduce": _allreduce, "device": _device}
 
 
+def _tensor_split(expert_fn):
+    """expert_fn for experts split over "tensor" too (sharding.LOGICAL_AXES): the tokens of an
+    expert group are on every tensor rank of it, each rank runs the rows of its own E / (ep * tp)
+    experts, and a psum over "tensor" gives every rank all the rows (one rank non-zero per row:
+    exact). `local_ids` arrive in [0, E / ep)."""
+    def run(rows, local_ids, valid, experts):
+        e_tp, me = experts.num_experts, jax.lax.axis_index(TENSOR_AXIS)
+        mine = valid & (local_ids // e_tp == me)
+        y = expert_fn(rows, local_ids % e_tp, mine, experts)
+        return jax.lax.psum(jnp.where(mine[:, None], y, jnp.zeros((), y.dtype)), TENSOR_AXIS)
+    return run
+
+
+def expert_axes(num_experts: int, mesh) -> tuple[str, ...]:
+    """The mesh axes the routed experts are split over (sharding.PARAM_RULES' "experts")."""
+    from k3jax import sharding
+    entry = sharding.logical_spec((num_experts,), ("experts",), mesh)[0]
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, variant: str = "auto", mesh=None,
                 local_impl=ops.moe_experts, expert_fn=None) -> jax.Array:
     """Expert-parallel ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
 
-    `experts` are the global stacked arrays (sharded over "expert"); `mesh` defaults to the
-    active `jax.set_mesh` mesh, whose "expert" axis must divide the number of experts.
-    `local_impl` runs each rank's experts (ops.moe_experts, or the KernelPlan's "moe_experts"
-    kernel: same contract). `expert_fn(rows [R, M], local_ids [R], valid [R] bool, local
-    experts) -> [R, M]` (only the valid rows are this rank's; the others' outputs are unused)
-    replaces the whole per-rank step; benchmarks pass an identity to time dispatch + combine alone.
+    `experts` are the global stacked arrays, split over "expert" (and "tensor" where it divides
+    them: `expert_axes`); `mesh` defaults to the active `jax.set_mesh` mesh, whose "expert" axis
+    must divide the number of experts. `local_impl` runs each rank's experts (ops.moe_experts, or
+    the KernelPlan's "moe_experts" kernel: same contract). `expert_fn(rows [R, M], local_ids [R],
+    valid [R] bool, local experts) -> [R, M]` (only the valid rows are this rank's; the others'
+    outputs are unused) replaces the whole per-rank step; benchmarks pass an identity to time
+    dispatch + combine alone.
     """
     m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     if m.empty or AXIS not in m.axis_names:
         raise ValueError("expert-parallel moe_experts needs a mesh with an 'expert' axis (jax.set_mesh or mesh=)")
-    ep = m.shape[AXIS]
-    if experts.num_experts % ep:
-        raise ValueError(f"{experts.num_experts} experts do not split over expert axis of size {ep}")
+    ep, num = m.shape[AXIS], experts.num_experts
+    if num % ep:
+        raise ValueError(f"{num} experts do not split over expert axis of size {ep}")
+    act_kw = dict(act=act, beta=beta, linear_beta=linear_beta)
+    axes = expert_axes(num, m)
+    if not axes:           # nothing split (tensor-only mesh that does not divide E): one local call
+        return local_impl(z, ids, weights, experts, **act_kw)
     token_axes = tuple(a for a in TOKEN_AXES if a in m.axis_names)
     shards = 1
     for a in token_axes:
@@ -319,12 +350,14 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     if n_pad != n:  # padding tokens select expert E, which no rank owns
         pad = ((0, n_pad - n), (0, 0))
         z, weights = jnp.pad(z, pad), jnp.pad(weights, pad)
-        ids = jnp.pad(ids, pad, constant_values=experts.num_experts)
+        ids = jnp.pad(ids, pad, constant_values=num)
     tok = P(token_axes)
     if expert_fn is None:
-        expert_fn = partial(_expert_rows, impl=local_impl, act_kw=dict(act=act, beta=beta, linear_beta=linear_beta))
-    per_rank = partial(_IMPLS[variant], expert_fn=expert_fn)
+        expert_fn = partial(_expert_rows, impl=local_impl, act_kw=act_kw)
+    if TENSOR_AXIS in axes and m.shape[TENSOR_AXIS] > 1:
+        expert_fn = _tensor_split(expert_fn)
+    per_rank = partial(_IMPLS[variant], expert_fn=expert_fn, e_local=num // ep)
     if variant in GATHERED:
         per_rank = partial(per_rank, n_tokens=n)
-    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(tok, tok, tok, P(AXIS)), out_specs=tok, check_vma=False)
+    fn = jax.shard_map(per_rank, mesh=mesh, in_specs=(tok, tok, tok, P(axes)), out_specs=tok, check_vma=False)
     return fn(z, ids, weights, experts)[:n]

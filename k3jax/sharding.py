@@ -10,8 +10,12 @@ Layout (logical axis -> mesh axes, one table: LOGICAL_AXES):
 - "batch" (sequences and tokens) -> ("data", "expert"): attention runs data-parallel over the
   expert groups, the usual layout for expert-parallel decode; axes that do not divide the batch
   are dropped (batch 1 runs replicated).
-- "experts" (routed experts) -> "expert": each expert rank owns E / ep experts; the token
-  dispatch is an explicit shard_map (k3jax.moe_parallel).
+- "experts" (routed experts) -> ("expert", "tensor"): each expert rank owns E / ep experts,
+  split further over its tensor ranks (E / (ep * tp) each), so no expert weight is held twice;
+  the token dispatch is an explicit shard_map (k3jax.moe_parallel), and the tensor ranks of an
+  expert group, which share its tokens, each run their own experts' rows and sum them (one
+  all-reduce of the routed rows). `tp=2` on two GPUs is thus vLLM's layout: attention and dense
+  weights tensor-parallel, routed experts expert-parallel, over the same GPUs.
 - "heads" (KDA / MLA heads, their projections) and "mlp" (dense MLP, shared experts) -> "tensor":
   column-parallel in-projections, row-parallel out-projections, so a decode step needs one
   all-reduce after each o_proj / down_proj (placed by the SPMD partitioner); "vocab" -> "tensor"
@@ -39,7 +43,7 @@ _ALIASES = {"dp": "data", "data": "data", "ep": "expert", "expert": "expert", "t
 
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "expert"),
-    "experts": ("expert",),
+    "experts": ("expert", "tensor"),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),

@@ -62,8 +62,10 @@ def routing(kind: str, n: int, key, e: int = E):
 
 
 def run_ep(mesh_spec, variant, z, ids, w, experts):
+    """The experts in their parameter layout: over "expert", and "tensor" where it divides them."""
     mesh = sharding.make_mesh(mesh_spec)
-    experts = jax.device_put(experts, jax.NamedSharding(mesh, jax.P("expert")))
+    axes = moe_parallel.expert_axes(experts.num_experts, mesh)
+    experts = jax.device_put(experts, jax.NamedSharding(mesh, jax.P(axes or None)))
     with jax.set_mesh(mesh):
         return jax.jit(lambda *a: moe_parallel.moe_experts(*a, variant=variant, **ACT))(z, ids, w, experts)
 
@@ -83,6 +85,13 @@ CASES = [  # (mesh, variant, routing, tokens, expert format[, experts])
     ("ep=8", "packed", "random", 16, "bf16"),
     ("dp=2,ep=4", "packed", "one_expert", 3, "mxfp4"),
     ("ep=2,tp=2", "packed", "one_rank", 1, "bf16"),
+    # Experts over "tensor" too (tp ranks share an expert group's tokens and psum their rows);
+    # tp alone: no dispatch at all, only that sum.
+    ("tp=2", "a2a", "random", 3, "mxfp4"),
+    ("tp=4", "packed", "one_expert", 1, "bf16"),
+    ("dp=2,tp=4", "allgather", "random", 5, "bf16"),
+    ("ep=2,tp=4", "a2a_packed", "one_rank", 4, "mxfp4"),
+    ("tp=2", "a2a", "random", 3, "bf16", 5),     # 5 experts do not split: one local call
     ("ep=8", "a2a_packed", "random", 16, "mxfp4"),
     ("dp=2,ep=4", "a2a_packed", "one_rank", 5, "bf16"),
     ("ep=8", "allreduce", "random", 16, "bf16"),
@@ -92,6 +101,13 @@ CASES = [  # (mesh, variant, routing, tokens, expert format[, experts])
     ("ep=2", "a2a_packed", "one_expert", 20, "mxfp4", 256),
     ("ep=2", "allreduce", "one_rank", 20, "bf16", 256),
 ]
+
+
+def test_experts_split_over_expert_and_tensor_axes():
+    assert moe_parallel.expert_axes(16, sharding.make_mesh("ep=2,tp=4")) == ("expert", "tensor")
+    assert moe_parallel.expert_axes(16, sharding.make_mesh("tp=2")) == ("tensor",)
+    assert moe_parallel.expert_axes(6, sharding.make_mesh("ep=2,tp=4")) == ("expert",)     # 4 does not divide 3
+    assert moe_parallel.expert_axes(5, sharding.make_mesh("tp=2")) == ()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

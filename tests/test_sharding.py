@@ -41,7 +41,7 @@ def test_every_parameter_has_a_rule(preset):
     leaves = jax.tree_util.tree_leaves_with_path(specs)
     by_path = {sharding.param_path(p): s.spec for p, s in leaves}
     experts = [s for p, s in by_path.items() if ".experts." in p]
-    assert experts and all(s[0] == "expert" for s in experts)
+    assert experts and all(s[0] == ("expert", "tensor") for s in experts)     # no expert weight held twice
     assert any(s == jax.P("tensor", None) for p, s in by_path.items() if p.endswith("q_proj.weight"))
     assert any(s == jax.P(None, "tensor") for p, s in by_path.items() if p.endswith("o_proj.weight"))
 
@@ -51,6 +51,8 @@ def test_h200x2_fits_two_gpus_expert_parallel():
     total = k3jax.weights.param_bytes(cfg)
     per_gpu = sharding.per_device_param_bytes(cfg, jnp.bfloat16, sharding.make_mesh("ep=2"))
     assert total > 150e9 and per_gpu < 120e9      # does not fit one H200; half the experts each does
+    per_gpu_tp = sharding.per_device_param_bytes(cfg, jnp.bfloat16, sharding.make_mesh("tp=2"))
+    assert per_gpu_tp < 0.6 * total               # tp=2: dense weights split too, experts still halved
 
 
 def test_unknown_parameter_is_an_error():
@@ -101,7 +103,7 @@ def dividing_meshes():
     return out
 
 
-CI_MESHES = ["ep=8", "dp=2,ep=2,tp=2"]
+CI_MESHES = ["ep=8", "dp=2,ep=2,tp=2", "tp=2"]     # tp=2: two GPUs vLLM-style (dense TP, experts split)
 MESHES = dividing_meshes() if os.environ.get("K3JAX_MESH_SWEEP") == "1" else CI_MESHES
 
 
@@ -129,7 +131,7 @@ def test_from_pretrained_mesh_creates_sharded_and_generates_same_tokens():
         want = sharding.param_spec(sharding.param_path(path), x.shape, mesh)
         assert x.sharding.spec == want, sharding.param_path(path)
     experts = state["layers"][1]["block_sparse_moe"]["experts"]["w1"][...]
-    assert experts.addressable_shards[0].data.shape[0] == experts.shape[0] // 4
+    assert experts.addressable_shards[0].data.shape[0] == experts.shape[0] // 8     # over ep x tp
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(nnx.state(single))):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
