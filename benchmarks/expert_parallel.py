@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -65,7 +66,7 @@ from k3jax.presets import get_preset  # noqa: E402
 
 K3 = get_preset("k3-full")  # the layer phase's default shapes and the expert activation
 ACT = K3.activation
-PRESET_FOR_EP = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}
+PRESET_FOR_GPUS = {2: "k3-h200x2", 4: "k3-h200x4", 8: "k3-h200x8"}   # the step mesh's device count -> preset
 
 
 def _launch(a, argv: list[str]) -> int:
@@ -331,10 +332,10 @@ def parse_args(argv=None):
     if a.step_mesh is None:
         a.step_mesh = f"ep={max(a.ep)}" if a.ep else ""
     if a.step_mesh and a.preset is None:
-        ep = sharding.parse_mesh(a.step_mesh)["expert"]
-        if ep not in PRESET_FOR_EP:
+        gpus = math.prod(sharding.parse_mesh(a.step_mesh).values())      # ep=2 and tp=2 both: 2 GPUs
+        if gpus not in PRESET_FOR_GPUS:
             p.error(f"no preset sized for {a.step_mesh}; pass --preset")
-        a.preset = PRESET_FOR_EP[ep]
+        a.preset = PRESET_FOR_GPUS[gpus]
     return a
 
 

@@ -19,6 +19,7 @@
 #   OUT=/tmp/ep bash benchmarks/expert_parallel_h200x2.sh                    # A, B, C: BUDGET_S=540 by default
 #   STEP_VARIANT=packed BUDGET_S=480 bash benchmarks/expert_parallel_h200x2.sh   # C alone, with that variant
 #   STEP_VARIANT=packed STEP_BACKENDS=pallas bash benchmarks/expert_parallel_h200x2.sh
+#   STEP_MESH=tp=2 (C and P_STEP): the step on vLLM's layout instead of ep=2 (dense TP, experts split)
 # XLA aborts on XLA_FLAGS=" " (it takes it for a file name), hence the $(echo ...) below.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -40,7 +41,7 @@ if [ -n "${PER_GPU_PROCESSES:-}" ]; then
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${P_S:-90}" $PY "${P[@]}" --unroll --budget-s $(( ${P_S:-90} - 20 )) \
         --out "$OUT/layer_processes_unrolled.json" 2>&1 | tee "$OUT/log_layer_processes_unrolled.txt"
     if [ -n "${P_STEP:-}" ]; then
-        timeout "${PS_S:-330}" $PY benchmarks/expert_parallel.py --ep '' --processes 2 --step-mesh ep=2 --batches 1,8 \
+        timeout "${PS_S:-330}" $PY benchmarks/expert_parallel.py --ep '' --processes 2 --step-mesh "${STEP_MESH:-ep=2}" --batches 1,8 \
             --step-variants packed --step-backends pallas --step-steps 4 --budget-s $(( ${PS_S:-330} - 40 )) \
             --out "$OUT/step_processes.json" 2>&1 | tee "$OUT/log_step_processes.txt"
     fi
@@ -91,7 +92,7 @@ EOF
 LEFT=$(( END - $(date +%s) - 10 ))
 echo "step phase: variant $VARIANT, backends ${STEP_BACKENDS:-xla,pallas}, XLA_FLAGS='$FLAGS', ${LEFT} s left"
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 XLA_FLAGS="$(echo $BASE $FLAGS)" timeout "$LEFT" $PY benchmarks/expert_parallel.py --ep '' \
-    --step-mesh ep=2 --batches 1,8 --step-variants "$VARIANT" --step-backends "${STEP_BACKENDS:-xla,pallas}" \
+    --step-mesh "${STEP_MESH:-ep=2}" --batches 1,8 --step-variants "$VARIANT" --step-backends "${STEP_BACKENDS:-xla,pallas}" \
     --step-steps 4 --budget-s $(( LEFT - 60 )) \
     ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 | tee "$OUT/log_step.txt"
 

@@ -93,3 +93,16 @@ def test_ep_benchmark_one_process_per_device_cpu(tmp_path):
     assert all(r["rel_err_vs_single_device"] == 0.0 and r["dispatch_combine_us"] > 0 for r in rows), rows
     steps = result["rows"]
     assert [(r["ep_variant"], r["batch"], r["status"]) for r in steps] == [("packed", 3, "ok")], steps
+
+
+def test_step_mesh_picks_the_preset_by_device_count(tmp_path):
+    """ep=2 and tp=2 (vLLM's layout: dense TP, experts split over the same GPUs) both mean 2 GPUs."""
+    spec = importlib.util.spec_from_file_location("ep_bench", os.path.join(ROOT, "benchmarks", "expert_parallel.py"))
+    ep_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ep_bench)
+
+    def args(mesh):
+        return ep_bench.parse_args(["--ep", "", "--step-mesh", mesh, "--out", str(tmp_path / "r.json")])
+
+    assert {args(m).preset for m in ("ep=2", "tp=2")} == {"k3-h200x2"}
+    assert args("ep=4,tp=2").preset == "k3-h200x8"
