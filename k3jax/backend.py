@@ -27,6 +27,7 @@ REFERENCES: dict[str, Callable] = {
     "kda_decode": ops.kda_decode,
     "mla_decode": ops.mla_decode,
     "attn_res_mix": ops.attn_res_mix,
+    "attn_res_mix_norm": ops.attn_res_mix_norm,
 }
 
 
@@ -47,22 +48,26 @@ class KernelPlan:
     def for_backend(cls, backend: str = "xla", **overrides: str) -> KernelPlan:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        chosen = {op: next(i for i in _FALLBACK[backend] if _available(op, i) is not None) for op in REFERENCES}
+        return cls(tuple(chosen.items())).replace(**overrides)
+
+    def replace(self, **overrides: str) -> KernelPlan:
+        """This plan with some ops' implementations replaced (ablations), e.g. linear="xla"."""
         unknown = set(overrides) - set(REFERENCES)
         if unknown:
             raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(REFERENCES)}")
-        choices = []
-        for op in REFERENCES:
-            wanted = overrides.get(op)
-            if wanted is not None:
-                if wanted not in BACKENDS or _available(op, wanted) is None:
-                    raise ValueError(f"op {op!r} has no {wanted!r} implementation")
-                choices.append((op, wanted))
-            else:
-                choices.append((op, next(i for i in _FALLBACK[backend] if _available(op, i) is not None)))
-        return cls(tuple(choices))
+        for op, wanted in overrides.items():
+            if wanted not in BACKENDS or _available(op, wanted) is None:
+                raise ValueError(f"op {op!r} has no {wanted!r} implementation")
+        return KernelPlan(tuple((op, overrides.get(op, impl)) for op, impl in self.choices))
 
     def __call__(self, op: str) -> Callable:
         return _available(op, dict(self.choices)[op])
+
+    def runs_kernel(self, op: str) -> bool:
+        """Whether `op` runs a backend's kernel. A fused op (attn_res_mix_norm) that does not is
+        composed by the model from its parts, each as the plan says."""
+        return dict(self.choices)[op] != "xla"
 
     def describe(self) -> dict[str, str]:
         return dict(self.choices)

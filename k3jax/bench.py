@@ -214,10 +214,11 @@ def summary_table(result: dict) -> str:
 
 # ------------------------------------------------------------------ whole-model decode
 # Fusion granularities, finest first. A granularity is data: which decode ops may run a backend's
-# kernels. A sub-layer op covers a whole sub-layer in one call (gated_mlp: the dense MLP and the
-# shared experts); "per-op" runs every other kernel but keeps sub-layers as separate XLA ops.
+# kernels. A fused op spans op boundaries in one call (gated_mlp: the dense MLP and the shared
+# experts; attn_res_mix_norm: the AttnRes mix and the sub-layer's RMSNorm); "per-op" runs every
+# other kernel but not these (gated_mlp as XLA ops; the mix on its own kernel, the norm in XLA).
 GRANULARITIES = ("xla-ops", "per-op", "fused-sublayer", "layer-megakernel", "step-megakernel")
-SUBLAYER_OPS = ("gated_mlp",)
+SUBLAYER_OPS = ("gated_mlp", "attn_res_mix_norm")
 NOT_IMPLEMENTED = {
     "layer-megakernel": "no layer megakernel in k3jax yet (nor its grid-barrier vs counter ablation)",
     "step-megakernel": "no step megakernel in k3jax yet (nor its grid-barrier vs counter ablation)",
@@ -246,6 +247,11 @@ def granularity_plan(backend: str, granularity: str):
     if all(full.describe()[op] == "xla" for op in SUBLAYER_OPS):
         return f"no fused sub-layer kernel ({', '.join(SUBLAYER_OPS)}) in {backend} yet"
     return full
+
+
+def ablated(granularity: str, overrides: dict[str, str]) -> str:
+    """A row's granularity label with an ablation's op replacements, e.g. "per-op+linear=xla"."""
+    return "+".join([granularity] + [f"{op}={impl}" for op, impl in overrides.items()])
 
 
 def sweep_configs(backends: list[str], granularities: list[str]) -> list[tuple[str, str]]:
@@ -369,7 +375,8 @@ def _is_oom(e: Exception) -> bool:
 
 def bench_model(preset: str, backends: list[str], granularities: list[str], batches: list[int],
                 contexts: list[int], *, expert_formats: list[str | None] = (None,), dtype: str = "bfloat16",
-                mesh: str | None = None, ep_variants: list[str] = ("auto",), steps: int = 32, warmup: int = 3,
+                mesh: str | None = None, ep_variants: list[str] = ("auto",), ablations: list[dict[str, str]] = (),
+                steps: int = 32, warmup: int = 3,
                 seed: int = 0, deadline: float | None = None, on_row=None, log=print, progress: bool = True,
                 command: str = "") -> dict:
     """The whole-model sweep; returns {"meta": ..., "rows": [...]} (schema: docs/bench.md).
@@ -378,14 +385,16 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     sweep cut short has compared the backends where it got. Past `deadline` (time.time() value)
     no point starts: the rest are rows with status "skipped". Each row lists the kernels its plan
     asked for and the calls that fell back to the reference (`fallbacks`: op/impl -> why).
-    `on_row(result)` is called after every row (e.g. to save partial results).
+    `on_row(result)` is called after every row (e.g. to save partial results). Each of
+    `ablations` ({op: impl}) adds a copy of every configuration with those ops replaced
+    (KernelPlan.replace), its granularity labelled e.g. "per-op+attn_res_mix_norm=pallas".
     """
     from tqdm.auto import tqdm
 
     import k3jax
     from k3jax import moe_parallel, sharding
     from pallas_kernels import registry
-    configs = sweep_configs(backends, granularities)
+    configs = [(b, g, ab) for b, g in sweep_configs(backends, granularities) for ab in ({}, *ablations)]
     dev = jax.devices()[0]
     rows: list[dict] = []
     result = {"meta": {"kind": "model", "preset": preset, "device": dev.device_kind, "platform": dev.platform,
@@ -416,8 +425,8 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     def skip_format(base: dict, reason: str) -> None:
         """One skipped row per variant and configuration of an expert format that does not run."""
         for variant in ep_variants:
-            for backend, gran in configs:
-                add({**base, "ep_variant": variant, "backend": backend, "granularity": gran, "batch": None,
+            for backend, gran, ab in configs:
+                add({**base, "ep_variant": variant, "backend": backend, "granularity": ablated(gran, ab), "batch": None,
                      "context": None, "status": "skipped", "reason": reason}, len(batches) * len(contexts))
 
     for fmt in expert_formats:
@@ -449,8 +458,10 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
         for variant in ep_variants if model_mesh is not None else ep_variants[:1]:
             head = {**base, "ep_variant": variant if model_mesh is not None else None}
             why = moe_parallel.unavailable(variant) if model_mesh is not None else None
-            for backend, gran in configs:
+            for backend, gran, ab in configs:
                 plan = why or granularity_plan(backend, gran)
+                plan = plan.replace(**ab) if ab and not isinstance(plan, str) else plan
+                gran = ablated(gran, ab)
                 if isinstance(plan, str):
                     add({**head, "backend": backend, "granularity": gran, "batch": None, "context": None,
                          "status": "unavailable", "reason": plan}, len(batches) * len(contexts))
@@ -729,6 +740,9 @@ def main(argv=None) -> int:
     p.add_argument("--expert-formats", default=None, help="--model ablation, e.g. mxfp4,bf16 (default: the preset's)")
     p.add_argument("--mesh", default=None, help="--model: device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variants", default="auto", help="--model with --mesh: expert dispatch variants to compare")
+    p.add_argument("--ablate", action="append", default=[], metavar="OP=IMPL[,OP=IMPL]",
+                   help="--model: also run every configuration with these ops replaced, e.g. "
+                        "attn_res_mix_norm=pallas (repeatable; rows labelled granularity+OP=IMPL)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point")
     p.add_argument("--warmup", type=int, default=3)
@@ -743,6 +757,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     command = "python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     return run_cli("k3jax.bench", lambda: _main(a, command))
+
+
+def parse_ablation(text: str) -> dict[str, str]:
+    """"op=impl,op=impl" -> {op: impl}, checked against the ops and backends."""
+    pairs = [item.split("=") for item in text.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"--ablate {text!r}: expected OP=IMPL[,OP=IMPL], e.g. attn_res_mix_norm=pallas")
+    known([op for op, _ in pairs], REFERENCES, "op(s) in --ablate")
+    known([impl for _, impl in pairs], BACKENDS, "implementation(s) in --ablate")
+    return dict(pairs)
 
 
 def _main(a: argparse.Namespace, command: str) -> int:
@@ -773,6 +797,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
                              expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
                              dtype=a.dtype, mesh=a.mesh,
                              ep_variants=known(a.ep_variants.split(","), ("auto", *VARIANTS), "--ep-variants"),
+                             ablations=[parse_ablation(x) for x in a.ablate],
                              steps=a.steps, warmup=a.warmup, on_row=save, progress=not a.no_progress,
                              command=command, deadline=None if a.budget_s is None else time.time() + a.budget_s)
         save(result)

@@ -57,23 +57,24 @@ class K3Model(nnx.Module):
         h = self.embed_tokens[...][tokens]
         new_states = []
 
-        def mixer(layer: DecoderLayer, x: jax.Array, i: int) -> jax.Array:
+        def mixer(layer: DecoderLayer, x_normed: jax.Array, i: int) -> jax.Array:
             if layer.kind == "kda":
-                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], valid, num_new, plan)
+                y, s = layer.self_attn(x_normed, state.layers[i], valid, num_new, plan)
             else:
-                y, s = layer.self_attn(layer.input_layernorm(x), state.layers[i], state.lengths, plan)
+                y, s = layer.self_attn(x_normed, state.layers[i], state.lengths, plan)
             new_states.append(s)
             return y
 
         if cfg.uses_attn_res:
-            h = self._attn_res_stack(h, mixer)
+            h = self._attn_res_stack(h, mixer)                      # already through self.norm
         else:
             for i, layer in enumerate(self.layers):
-                h = h + mixer(layer, h, i)
+                h = h + mixer(layer, layer.input_layernorm(h), i)
                 h = h + layer.ffn(layer.post_attention_layernorm(h), plan)
+            h = self.norm(h)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        logits = self.lm_head(self.norm(h), plan).astype(jnp.float32)
+        logits = self.lm_head(h, plan).astype(jnp.float32)
         # Pinned to sharding.state_specs under a mesh (the layout generate and bench give the input
         # state): kernels (custom calls) leave their outputs' sharding to XLA, and a donated step
         # must hand back the layout it was compiled for.
@@ -82,24 +83,30 @@ class K3Model(nnx.Module):
     def _attn_res_stack(self, h: jax.Array, mixer) -> jax.Array:
         """Block Attention Residuals. Sub-layer inputs are softmax mixes over depth of the stored
         block sums and the current block's running partial sum. Layer 0 stores the embeddings as
-        the first block; a new block starts at every layer index divisible by the block size."""
-        cfg = self.cfg
+        the first block; a new block starts at every layer index divisible by the block size.
+        Returns the final mix through self.norm (the lm_head's input)."""
+        cfg, plan = self.cfg, self.plan
 
-        def mix(blocks, partial, norm, query):
-            return self.plan("attn_res_mix")(jnp.stack(blocks + [partial]), norm[...], query[...], cfg.rms_norm_eps)
+        def mix_norm(blocks, partial, norm, query, out_norm: RMSNorm) -> jax.Array:
+            """The mix, then the reading sub-layer's RMSNorm: one kernel where the plan fuses them."""
+            args = (jnp.stack(blocks + [partial]), norm[...], query[...])
+            if plan.runs_kernel("attn_res_mix_norm"):
+                return plan("attn_res_mix_norm")(*args, out_norm.weight[...], cfg.rms_norm_eps)
+            return out_norm(plan("attn_res_mix")(*args, cfg.rms_norm_eps))
 
         blocks: list[jax.Array] = []
         partial: jax.Array | None = h
         for i, layer in enumerate(self.layers):
-            x = mix(blocks, partial, layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else partial
+            x = (mix_norm(blocks, partial, layer.self_attention_res_norm, layer.self_attention_res_proj,
+                          layer.input_layernorm) if blocks else layer.input_layernorm(partial))
             if i % cfg.attn_res_block_size == 0:
                 blocks.append(partial)
                 partial = None
             y = mixer(layer, x, i)
             partial = y if partial is None else partial + y
-            x = mix(blocks, partial, layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.ffn(layer.post_attention_layernorm(x), self.plan)
-        return mix(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj)
+            x = mix_norm(blocks, partial, layer.mlp_res_norm, layer.mlp_res_proj, layer.post_attention_layernorm)
+            partial = partial + layer.ffn(x, plan)
+        return mix_norm(blocks, partial, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
 
     def __call__(self, input_ids) -> jax.Array:
         """input_ids [B, T] -> float32 logits [B, T, V] (full-sequence forward, empty state)."""

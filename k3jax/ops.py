@@ -463,6 +463,13 @@ def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array
     return jnp.sum(probs[..., None] * candidates.astype(f32), axis=0).astype(candidates.dtype)
 
 
+def attn_res_mix_norm(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, out_norm: jax.Array,
+                      eps: float) -> jax.Array:
+    """A sub-layer's input: `attn_res_mix`, then the sub-layer's RMSNorm (weight out_norm [D], same
+    eps): candidates [N, ..., D] -> [..., D] in their dtype. One op so a kernel can fuse the two."""
+    return rms_norm(attn_res_mix(candidates, norm_weight, query, eps), out_norm, eps)
+
+
 # ------------------------------------------------------------------ sampling
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Next token ids [B] from logits [B, V]: greedy when temperature == 0, else temperature

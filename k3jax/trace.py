@@ -41,6 +41,9 @@ class _RecordingPlan:
     def __init__(self, plan: KernelPlan):
         self.plan, self.routing, self.attn_res = plan, [], []
 
+    def runs_kernel(self, op: str) -> bool:
+        return self.plan.runs_kernel(op)
+
     def __call__(self, op: str):
         fn = self.plan(op)
         if op == "route":
@@ -49,10 +52,10 @@ class _RecordingPlan:
                 self.routing.append((np.asarray(ids), np.asarray(weights)))
                 return ids, weights
             return route
-        if op == "attn_res_mix":
-            def mix(candidates, norm_weight, query, eps):
-                self.attn_res.append(np.asarray(ops.attn_res_weights(candidates, norm_weight, query, eps)))
-                return fn(candidates, norm_weight, query, eps)
+        if op in ("attn_res_mix", "attn_res_mix_norm"):
+            def mix(candidates, norm_weight, query, *rest):     # rest: (eps,) or (out_norm, eps)
+                self.attn_res.append(np.asarray(ops.attn_res_weights(candidates, norm_weight, query, rest[-1])))
+                return fn(candidates, norm_weight, query, *rest)
             return mix
         return fn
 

@@ -101,10 +101,12 @@ def test_batch_major_order_and_time_budget(monkeypatch):
 def test_granularity_plans():
     assert isinstance(bench.granularity_plan("xla", "per-op"), str)
     assert bench.granularity_plan("xla", "xla-ops").describe()["linear"] == "xla"
-    plan = bench.granularity_plan("pallas", "per-op")
-    assert plan.describe()["linear"] == "pallas" and plan.describe()["gated_mlp"] == "xla"
-    # pallas_kernels.gated_mlp makes the fused sub-layer granularity available.
-    assert bench.granularity_plan("pallas", "fused-sublayer").describe()["gated_mlp"] == "pallas"
+    plan = bench.granularity_plan("pallas", "per-op").describe()
+    assert plan["linear"] == plan["attn_res_mix"] == "pallas"
+    assert plan["gated_mlp"] == plan["attn_res_mix_norm"] == "xla"        # ops fused across boundaries: off
+    # pallas_kernels.gated_mlp and attn_res_mix_norm make the fused granularity available.
+    fused = bench.granularity_plan("pallas", "fused-sublayer").describe()
+    assert fused["gated_mlp"] == fused["attn_res_mix_norm"] == "pallas"
     assert bench.sweep_configs(["xla", "cute"], ["xla-ops", "per-op"]) == [("xla", "xla-ops"), ("cute", "per-op")]
     assert bench.sweep_configs(["pallas", "xla"], ["xla-ops", "per-op"]) == [("pallas", "per-op"), ("xla", "xla-ops")]
     with pytest.raises(ValueError, match="unknown granularity"):
@@ -129,3 +131,19 @@ def test_report_drops_failed_attempts_of_measured_points(tmp_path):
     assert sorted((r["batch"], r["status"]) for r in merged["rows"]) == [(1, "error"), (8, "ok")]
     table = bench.model_table(merged["rows"])
     assert "ValueError: x" in table and "second line" not in table and "\ny" not in table
+
+
+def test_model_sweep_ablation_rows(tmp_path):
+    """--ablate OP=IMPL adds each configuration again with those ops replaced, labelled."""
+    out = tmp_path / "model.json"
+    assert bench.main(["--model", "--preset", "k3-tiny", "--backends", "xla", "--granularities", "xla-ops",
+                       "--ablate", "attn_res_mix_norm=pallas", "--batches", "1", "--contexts", "8", "--steps", "1",
+                       "--warmup", "0", "--no-progress", "--out", str(out)]) == 0
+    rows = {r["granularity"]: r for r in json.load(open(out))["rows"]}
+    assert set(rows) == {"xla-ops", "xla-ops+attn_res_mix_norm=pallas"}
+    assert rows["xla-ops"]["kernels"] == {}
+    ablated = rows["xla-ops+attn_res_mix_norm=pallas"]
+    assert ablated["status"] == "ok" and ablated["kernels"] == {"attn_res_mix_norm": "pallas"}
+    assert "attn_res_mix_norm/pallas" in ablated["fallbacks"]        # D = 64: not a kernel shape
+    for bad in ("attn_res_mix_norm", "warp=pallas", "linear=triton"):
+        assert bench.main(["--model", "--preset", "k3-tiny", "--ablate", bad, "--out", str(out)]) == 2
