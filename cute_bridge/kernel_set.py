@@ -72,6 +72,8 @@ MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.
 
 
 def _moe(tokens: int) -> tuple[KernelSpec, KernelSpec]:
+    """(moe_gate_up_t{tokens}: z [N, M] -> gate, up [S, I] bf16; moe_down_t{tokens}: hid [S, I],
+    weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
     return (
         KernelSpec(

@@ -11,8 +11,8 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 distinct selected experts (k3jax.ops.expert_dispatch) and each one's token slots
                 (`expert_slots`), then moe_gate_up_t{T}, k3jax.ops.glu in XLA (the one formula),
                 moe_down_t{T} (each slot's weighted output, float32), summed over each token's k
-                slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in chunks of 8
-                (ops.map_token_chunks), each reading its experts once. The kernels take the
+                slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in equal chunks
+                of at most 8 (ops.map_token_chunks), each reading its experts once. The kernels take the
                 activations permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64);
                 exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192).
 """
@@ -91,29 +91,37 @@ def permute_x(x: jax.Array) -> jax.Array:
     return x.reshape(*lead, d // 8, 2, 4).swapaxes(-1, -2).reshape(*lead, d)
 
 
-def expert_slots(ids: jax.Array, num_experts: int, tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The MoE kernels' grouping of ids [N, k] (N <= tokens): experts [U] int32, the distinct
-    selected experts (padding = num_experts, skipped by the kernels); slots [U, tokens] int32, the
-    slot n * k + j where token n chose experts[u] as its j-th, else -1; kept [N, k] bool, the
-    slots the kernels fill (a repeated id is filled once, at its last slot: combine it with the
-    sum of its weights; an id >= num_experts never)."""
+def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: int):
+    """The MoE kernels' grouping of ids, weights [N, k] (N <= tokens) -> (experts, slots, kept, coef).
+
+    experts [U] int32: for one token its k ids as they are (U = k; a repeat's grid row stores
+    nothing), else the distinct selected experts (U = min(num_experts, N k), padded with
+    num_experts, which the kernels skip). slots [U, tokens] int32: the slot n * k + j where token n
+    chose experts[u] as its j-th and the kernels fill it, else -1. kept [N, k] bool: the slots the
+    kernels fill (a repeated id once, at its last slot; an id >= num_experts never). coef [N, k]
+    float32: each kept slot's routing coefficient (a repeated id's summed weights), else 0.
+    """
     n, k = ids.shape
+    if n > tokens:
+        raise ValueError(f"expert_slots: {n} tokens do not fit the kernels' {tokens} token columns")
     same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
     later = jnp.triu(jnp.ones((k, k), bool), 1)
     kept = (ids < num_experts) & ~jnp.any(same & later, axis=2)
-    if n == 1:                      # one token: its ids are the experts (a repeat's grid row stores nothing)
-        return ids[0].astype(jnp.int32), jnp.where(kept[0], jnp.arange(k, dtype=jnp.int32), -1)[:, None], kept
-    experts, _ = ops.expert_dispatch(ids, jnp.zeros(ids.shape, jnp.float32), num_experts, min(num_experts, n * k))
+    coef = jnp.where(kept, jnp.sum(jnp.where(same, weights[:, None, :], 0.0), axis=2), 0.0).astype(jnp.float32)
     slot = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
-    match = (ids[None] == experts[:, None, None]) & kept[None]                # [U, N, k]
-    slots = jnp.max(jnp.where(match, slot[None], -1), axis=2)
-    return experts, jnp.pad(slots, ((0, 0), (0, tokens - n)), constant_values=-1), kept
+    if n == 1:
+        experts, slots = ids[0].astype(jnp.int32), jnp.where(kept[0], slot[0], -1)[:, None]
+    else:
+        experts, _ = ops.expert_dispatch(ids, weights, num_experts, min(num_experts, n * k))
+        match = (ids[None] == experts[:, None, None]) & kept[None]            # [U, N, k]
+        slots = jnp.max(jnp.where(match, slot[None], -1), axis=2)
+    return experts, jnp.pad(slots, ((0, 0), (0, tokens - slots.shape[1])), constant_values=-1), kept, coef
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M]."""
-    n, m = z.shape
+    m = z.shape[1]
     inter = experts.w1.shape[1]
     reason = _runnable() or (
         "bf16 experts have no CuTe kernel" if not experts.is_mxfp4 else
@@ -127,14 +135,11 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
 
 
 def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta) -> jax.Array:
-    """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M] -> [N, M] in z's dtype."""
+    """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
     n, m = z.shape
     k = ids.shape[1]
     tokens = next(t for t in MOE_TOKENS if t >= n)
-    uniq, slots, kept = expert_slots(ids, experts.w1.shape[0], tokens)
-    # A repeated id's slot carries the sum of its weights (the reference's coefficient).
-    same = ids[:, :, None] == ids[:, None, :]
-    coef = jnp.where(kept, jnp.sum(jnp.where(same, weights[:, None, :], 0.0), axis=2), 0.0).astype(jnp.float32)
+    uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
     gate, up = loader.call(f"moe_gate_up_t{tokens}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
                            experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})

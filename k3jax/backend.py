@@ -59,7 +59,7 @@ class KernelPlan:
         for op, wanted in overrides.items():
             if wanted not in BACKENDS or _available(op, wanted) is None:
                 raise ValueError(f"op {op!r} has no {wanted!r} implementation")
-        return KernelPlan(tuple((op, overrides.get(op, impl)) for op, impl in self.choices))
+        return dataclasses.replace(self, choices=tuple((op, overrides.get(op, impl)) for op, impl in self.choices))
 
     def __call__(self, op: str) -> Callable:
         return _available(op, dict(self.choices)[op])

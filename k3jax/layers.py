@@ -257,7 +257,7 @@ class LatentMoE(nnx.Module):
         ids, weights = self.gate(flat, plan)
         z = self.routed_expert_down_proj(flat, plan) if cfg.routed_expert_hidden_size else flat
         act = cfg.activation
-        if moe_parallel.active_mesh() is not None:  # experts sharded over a mesh "expert" axis
+        if moe_parallel.active_mesh() is not None:  # experts split over the mesh's "expert" (+ "tensor") axes
             u = moe_parallel.moe_experts(z, ids, weights, self.experts.arrays(), variant=self.ep_variant,
                                          local_impl=plan("moe_experts"), **act)
         else:

@@ -71,10 +71,9 @@ class K3Model(nnx.Module):
             for i, layer in enumerate(self.layers):
                 h = h + mixer(layer, layer.input_layernorm(h), i)
                 h = h + layer.ffn(layer.post_attention_layernorm(h), plan)
-            h = self.norm(h)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-        logits = self.lm_head(h, plan).astype(jnp.float32)
+        logits = self.lm_head(h if cfg.uses_attn_res else self.norm(h), plan).astype(jnp.float32)
         # Pinned to sharding.state_specs under a mesh (the layout generate and bench give the input
         # state): kernels (custom calls) leave their outputs' sharding to XLA, and a donated step
         # must hand back the layout it was compiled for.
@@ -91,7 +90,7 @@ class K3Model(nnx.Module):
             """The mix, then the reading sub-layer's RMSNorm: one kernel where the plan fuses them."""
             args = (jnp.stack(blocks + [partial]), norm[...], query[...])
             if plan.runs_kernel("attn_res_mix_norm"):
-                return plan("attn_res_mix_norm")(*args, out_norm.weight[...], cfg.rms_norm_eps)
+                return plan("attn_res_mix_norm")(*args, out_norm.weight[...], out_norm.eps)
             return out_norm(plan("attn_res_mix")(*args, cfg.rms_norm_eps))
 
         blocks: list[jax.Array] = []

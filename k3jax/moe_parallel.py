@@ -6,7 +6,7 @@ ranks of an expert group share its tokens, each runs its own experts' rows, and 
 
 Contract (every variant): `moe_experts(z, ids, weights, experts, ...)` with z [N, M] (the
 latent, M = moe_hidden_size, e.g. 3584), ids/weights [N, k] and the experts sharded
-[E / ep per rank] returns the same [N, M] as `ops.moe_experts` on one device. Tokens are split
+[E / ep per expert group, split E / (ep * tp) per rank where "tensor" divides them] returns the same [N, M] as `ops.moe_experts` on one device. Tokens are split
 over ("data", "expert") (padded to a multiple with expert id E, which no rank owns; "ragged" and
 "a2a" never send padding); the expert math on each rank IS `ops.moe_experts` (or the
 KernelPlan's "moe_experts" kernel, same contract) over that rank's experts, one (token, slot) row
@@ -248,7 +248,7 @@ def _allgather(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
 
 
 def _packed(z, ids, weights, experts, *, expert_fn, n_tokens, e_local):
-    n, k = ids.shape
+    k = ids.shape[1]
     num_ids = e_local * jax.lax.axis_size(AXIS) + 1                             # + the padding id E
     rows = jax.lax.all_gather(_pack(z, ids, num_ids), AXIS, tiled=True)        # [ep*n, M + c]
     y = _gathered_experts(*_unpack(rows, z.shape[1], k, num_ids), experts, expert_fn, n_tokens, e_local)
@@ -339,6 +339,10 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     act_kw = dict(act=act, beta=beta, linear_beta=linear_beta)
     axes = expert_axes(num, m)
     if not axes:           # nothing split (tensor-only mesh that does not divide E): one local call
+        resolve_variant(variant, z.shape[0])          # still reject an unknown variant name
+        if expert_fn is not None:
+            raise ValueError(f"expert_fn replaces the per-rank step of a dispatch, but mesh {dict(m.shape)} "
+                             f"splits none of the {num} experts: nothing is dispatched")
         return local_impl(z, ids, weights, experts, **act_kw)
     token_axes = tuple(a for a in TOKEN_AXES if a in m.axis_names)
     shards = 1
@@ -354,7 +358,7 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     tok = P(token_axes)
     if expert_fn is None:
         expert_fn = partial(_expert_rows, impl=local_impl, act_kw=act_kw)
-    if TENSOR_AXIS in axes and m.shape[TENSOR_AXIS] > 1:
+    if TENSOR_AXIS in axes:                 # (sharding never names an axis of size 1)
         expert_fn = _tensor_split(expert_fn)
     per_rank = partial(_IMPLS[variant], expert_fn=expert_fn, e_local=num // ep)
     if variant in GATHERED:

@@ -20,7 +20,7 @@ kernel's 11.5 / 12.0 us; 17.5 against 16.8 us at 128 rows (session 10). Below KE
 both ops therefore run the reference; `min_rows=1` forces the kernel (validation, benchmarks).
 
 Covered: bf16 candidates, D % 128 == 0, N x D small enough for SMEM; anything else runs the
-reference (k3jax.ops.attn_res_mix); `covers()` says which.
+reference (k3jax.ops.attn_res_mix / attn_res_mix_norm); `covers()` says which.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ f32 = jnp.float32
 
 
 def covers(shape, dtype, with_norm: bool = False) -> bool:
-    """Whether the kernel handles candidates of this shape/dtype (else the reference runs)."""
+    """Whether the kernel handles candidates of this shape/dtype (else the reference runs);
+    with_norm: the attn_res_mix_norm kernel (one more [D] vector in SMEM)."""
     n, d = shape[0], shape[-1]
     vectors = 4 if with_norm else 3           # out row + two (three) weight vectors
     return (len(shape) >= 2 and jnp.dtype(dtype) == jnp.bfloat16 and d % LANE == 0 and d // LANE <= 256
@@ -100,18 +101,27 @@ def _mix(cand: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float,
     )(cand.reshape(n, rows, *shape), *(v.reshape(shape) for v in vectors)).reshape(rows, d)
 
 
+def _run(op: str, candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float,
+         out_norm: jax.Array | None, min_rows: int) -> jax.Array:
+    """Either op on candidates [N, ..., D]: the reference where the kernel does not cover them or
+    below `min_rows` rows, else the kernel; -> [..., D] in the candidates' dtype."""
+    norm = () if out_norm is None else (out_norm,)
+    reference = ops.attn_res_mix if out_norm is None else ops.attn_res_mix_norm
+    if not covers(candidates.shape, candidates.dtype, with_norm=out_norm is not None):
+        why = f"candidates {candidates.dtype}{list(candidates.shape)} not covered"
+        return registry.fallback(op, "pallas", why)(candidates, norm_weight, query, *norm, eps)
+    n, lead, d = candidates.shape[0], candidates.shape[1:-1], candidates.shape[-1]
+    rows = math.prod(lead)
+    if rows < min_rows:
+        return reference(candidates, norm_weight, query, *norm, eps)
+    return _mix(candidates.reshape(n, rows, d), norm_weight, query, eps, out_norm).reshape(*lead, d)
+
+
 def attn_res_mix(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, eps: float, *,
                  min_rows: int = KERNEL_MIN_ROWS) -> jax.Array:
     """Same contract as k3jax.ops.attn_res_mix: candidates [N, ..., D] -> [..., D] in their dtype.
     Fewer than `min_rows` rows run the reference (faster there, module doc)."""
-    if not covers(candidates.shape, candidates.dtype):
-        why = f"candidates {candidates.dtype}{list(candidates.shape)} not covered"
-        return registry.fallback("attn_res_mix", "pallas", why)(candidates, norm_weight, query, eps)
-    n, lead, d = candidates.shape[0], candidates.shape[1:-1], candidates.shape[-1]
-    rows = math.prod(lead)
-    if rows < min_rows:
-        return ops.attn_res_mix(candidates, norm_weight, query, eps)
-    return _mix(candidates.reshape(n, rows, d), norm_weight, query, eps).reshape(*lead, d)
+    return _run("attn_res_mix", candidates, norm_weight, query, eps, None, min_rows)
 
 
 def attn_res_mix_norm(candidates: jax.Array, norm_weight: jax.Array, query: jax.Array, out_norm: jax.Array,
@@ -119,16 +129,9 @@ def attn_res_mix_norm(candidates: jax.Array, norm_weight: jax.Array, query: jax.
     """Same contract as k3jax.ops.attn_res_mix_norm: candidates [N, ..., D] -> the RMSNorm-ed mix
     [..., D] in their dtype. fused=False: the mix kernel, then the norm as an XLA op (ablation).
     Fewer than `min_rows` rows run the reference (faster there, module doc)."""
-    if not covers(candidates.shape, candidates.dtype, with_norm=True):
-        why = f"candidates {candidates.dtype}{list(candidates.shape)} not covered"
-        return registry.fallback("attn_res_mix_norm", "pallas", why)(candidates, norm_weight, query, out_norm, eps)
-    n, lead, d = candidates.shape[0], candidates.shape[1:-1], candidates.shape[-1]
-    rows = math.prod(lead)
-    if rows < min_rows:
-        return ops.attn_res_mix_norm(candidates, norm_weight, query, out_norm, eps)
     if not fused:
         return ops.rms_norm(attn_res_mix(candidates, norm_weight, query, eps, min_rows=min_rows), out_norm, eps)
-    return _mix(candidates.reshape(n, rows, d), norm_weight, query, eps, out_norm).reshape(*lead, d)
+    return _run("attn_res_mix_norm", candidates, norm_weight, query, eps, out_norm, min_rows)
 
 
 registry.register("attn_res_mix", "pallas", attn_res_mix)
@@ -182,8 +185,8 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 registry.register_spec(registry.OpSpec(
     name="attn_res_mix", reference=ops.attn_res_mix, cases=lambda: _cases(False), cost=cost,
-    notes="bf16, D % 128 == 0, (N + 3) * D * 2 bytes <= 200 KB, >= 128 rows in the kernel; anything else runs "
-          "the reference (cases force the kernel: min_rows=1)",
+    notes=f"bf16, D % 128 == 0, (N + 3) * D * 2 bytes <= {SMEM_BUDGET // 1024} KB, >= {KERNEL_MIN_ROWS} rows in "
+          "the kernel; anything else runs the reference (cases force the kernel: min_rows=1)",
 ))
 def _norm_tolerance(args, kwargs) -> float:
     """Two bf16 roundings in series: the mix (kernel and reference may land one ulp apart, a shift
@@ -195,6 +198,6 @@ def _norm_tolerance(args, kwargs) -> float:
 registry.register_spec(registry.OpSpec(
     name="attn_res_mix_norm", reference=ops.attn_res_mix_norm, cases=lambda: _cases(True), cost=cost,
     tolerance=_norm_tolerance,
-    notes="attn_res_mix + the sub-layer RMSNorm in one kernel; (N + 4) * D * 2 bytes <= 200 KB, >= 128 rows; "
-          "`_unfused` cases: the mix kernel then an XLA norm (the fusion's ablation)",
+    notes=f"attn_res_mix + the sub-layer RMSNorm in one kernel; (N + 4) * D * 2 bytes <= {SMEM_BUDGET // 1024} KB, "
+          f">= {KERNEL_MIN_ROWS} rows; `_unfused` cases: the mix kernel then an XLA norm (the fusion's ablation)",
 ))

@@ -13,7 +13,8 @@ once and written once: each program's [d, d / splits] column slab travels GMEM -
 meanwhile from the small inputs, which every split does whole (cheap next to the slab): the
 short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k and v channels, L2
 norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
-softplus form) and beta (`_head_inputs`, shared with the prep kernel below). The slab then
+softplus form) and beta (`_head_inputs` = `_head_math` of `_head_loads`, the two pieces the prep
+kernel below shares). The slab then
 sits in registers in the wgmma layout (128 / splits f32 a thread at d = 128), where the delta
 rule is a few broadcasts and two column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
 place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
@@ -50,15 +51,15 @@ decay and beta: alone it streams the state at ~91% of the copy rate (K3 b128: 41
 `_head_loads` + `_head_math`: conv + SiLU, L2 norms, q * d^-0.5, the decay already exponentiated,
 beta, the shifted window); "xla" runs ops.kda_step_inputs as XLA ops (5+ launches). Measured
 (session 9, H200, donated state, CUPTI sum per call, default splits 2; us and roofline fraction):
-K3 b8 xla 46.2 (53.4%) / kernel 39.1 (63.1%; prep kernel 6.5 us, XLA norm 2.2), b32 131.8 (74.5%)
-/ 132.8 (73.9%; prep 21.9), b128 470.6 (83.4%) / 491.8 (79.8%; prep 74.4); fused b1 8.8 (36.6%),
-b8 49.5 (49.8%). The prep kernel is bound by per-program latency, not bytes (~6.5 MB at b8,
-~1.5 us of them): one warpgroup per (sequence, head) is the fastest measured. Letting a program
-loop over `group` consecutive heads (the next head's loads issued before this head's math,
-outputs through double-buffered SMEM; kept as an ablation knob) was slower at every size tried
-(session 9, prep kernel alone, us: K3 b8 G = 1 / 2 / 4: 5.8 / 8.7 / 9.0; b128 G = 8 / 32: 105.0 /
-132.9, G = 1 74.4 in the step): fewer programs in flight hide less of each one's serial
-load -> math -> store chain. `prep_mode` picks "kernel" up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs
+K3 b8 xla 46.2 (53.4%) / kernel 39.1 (63.1%; of it the prep kernel 6.5 us and the XLA norm 2.3),
+b32 131.8 (74.5%) / 132.8 (73.9%; prep 21.9), b128 470.6 (83.4%) / 491.8 (79.8%; prep 74.4); fused
+b1 8.8 (36.6%), b8 49.5 (49.8%). The prep kernel is bound by per-program latency, not bytes (~6.5
+MB at b8, ~1.5 us of them): one warpgroup per (sequence, head) is the fastest measured. Letting a
+program loop over `group` consecutive heads (the next head's loads issued before this head's
+math, outputs through double-buffered SMEM; `kda_decode(prep_group=G)`, an ablation) was slower
+at every size tried (session 9, the prep kernel alone, us: K3 b8 G = 1 / 2 / 4: 5.8 / 8.7 / 9.0;
+b128 G = 8 / 32: 105.0 / 132.9, against G = 1's 74.4 within the step above): fewer programs in
+flight hide less of each one's serial load -> math -> store chain. `prep_mode` picks "kernel" up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs
 per SM (K3 b8), "xla" above (b32: a tie; b128: XLA's fusions are cheaper than 12288 programs).
 After a prep the splits are PREPPED_SPLITS (2; with 1 the gated norm runs in the state kernel
 instead of a separate 2.3 us XLA fusion, but the state kernel slowed from 30.7 to 42.8 us at b8
@@ -85,8 +86,8 @@ ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / 
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
 PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`, `prep_mode`)
-# The delta-rule-only kernel's splits from two (sequence, head) pairs per SM (`plan`): 2 as for the
-# fused kernel (session 5; 1 measured slower after a prep, session 9: module doc).
+# Splits from two (sequence, head) pairs per SM (`plan`): 2, for the fused kernel (session 5) and
+# for the delta-rule-only kernel after a prep (1 measured slower there, session 9: module doc).
 PREPPED_SPLITS = 2
 # "kernel" prep up to this many (sequence, head) pairs per SM, "xla" above (`prep_mode`).
 PREP_KERNEL_MAX_PAIRS_PER_SM = 16
@@ -99,16 +100,16 @@ def _state_tiling(cols: int):
     return plgpu.TilingTransform((8, row // 4)), plgpu.SwizzleTransform(row)
 
 
-def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
-    """Value-column splits per (sequence, head), as measured best on the H200 for the fused kernel
-    (module doc): 4 while the (sequence, head) pairs are fewer than the SMs, 2 from two pairs per
-    SM (PREPPED_SPLITS after a prep, "xla" or "kernel"), else 1."""
+def plan(batch: int, heads: int, sms: int) -> int:
+    """Value-column splits per (sequence, head), as measured best on the H200 (module doc): 4 while
+    the (sequence, head) pairs are fewer than the SMs, 1 below two pairs per SM, else
+    PREPPED_SPLITS (from two pairs per SM the inputs are prepared first: `prep_mode`)."""
     pairs = batch * heads
     if pairs < sms:
         return 4
     if pairs < 2 * sms:
         return 1
-    return 2 if prep == "fused" else PREPPED_SPLITS
+    return PREPPED_SPLITS
 
 
 def prep_mode(batch: int, heads: int, sms: int) -> str:
@@ -212,9 +213,9 @@ def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h, *,
 def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_heads: int,
                  lower_bound: float | None, group: int = 1):
     """ops.kda_step_inputs as one kernel over grid (B, H / group): one warpgroup per sequence and
-    `group` consecutive heads (1, the fastest measured; more for ablations: module doc), looping over them with the next head's loads
-    issued before this head's math -> ((q, k, v, decay = exp(g) [B, H, d] float32, beta [B, H]
-    float32), new conv_state [B, K-1, 3P])."""
+    `group` consecutive heads (1, the fastest measured; more for ablations: module doc), looping
+    over them with the next head's loads issued before this head's math -> ((q, k, v,
+    decay = exp(g) [B, H, d] float32, beta [B, H] float32), new conv_state [B, K-1, 3P])."""
     b_n, km1, c3 = conv_state.shape
     p = c3 // 3
     h_n, d = num_heads, p // num_heads
@@ -230,8 +231,8 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
 
         def scoped(vec_smem, win_smem):
             def head(i, loaded):
-                # The next head's loads go out before this head's math (the last head reloads itself).
-                nxt = loads(jnp.minimum(i + 1, group - 1))
+                # The next head's loads go out before this head's math (the last head's are not used).
+                nxt = loads(jnp.minimum(i + 1, group - 1)) if group > 1 else loaded
                 slot = i % 2        # SMEM double buffer: the stores of head i - 2 must have read it
                 plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
                 *vecs, beta = _head_math(loaded, win_smem.at[slot], lower_bound=lower_bound)
@@ -360,12 +361,12 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
-               prep: str | None = None):
+               prep: str | None = None, prep_group: int = 1):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
     value-column split; prep (one of PREPS; default `prep_mode`) where the conv, norms, decay and
     beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
-    `_prep_kernel` and "xla" by XLA ops, both before a kernel
-    that does only the delta rule. Both overrides are for ablations and benchmarks."""
+    `_prep_kernel` (prep_group heads per program) and "xla" by XLA ops, both before a kernel
+    that does only the delta rule. The overrides are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     if prep is not None and prep not in PREPS:
@@ -377,14 +378,17 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
             num_heads=num_heads, lower_bound=lower_bound, eps=eps)
     sms = mgpu.num_sms()
     prep = prep or prep_mode(qkv.shape[0], num_heads, sms)
-    splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
+    if prep_group != 1 and prep != "kernel":
+        raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
+    splits = splits or plan(qkv.shape[0], num_heads, sms)
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
     else:
         if prep == "kernel":
             (q, k, v, decay, beta), conv = _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
-                                                        num_heads=num_heads, lower_bound=lower_bound)
+                                                        num_heads=num_heads, lower_bound=lower_bound,
+                                                        group=prep_group)
         else:
             (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
                                                            num_heads, lower_bound)

@@ -238,9 +238,14 @@ def test_moe_grouping_matches_the_reference(monkeypatch, ids):
 def test_expert_slots_name_every_kept_slot_once():
     from cute_bridge.ops import expert_slots
     ids = jnp.asarray([[3, 1, 3, 7], [1, 2, 9, 0]], jnp.int32)        # a repeat, and an id past E = 8
-    experts, slots, kept = expert_slots(ids, 8, 8)
+    weights = jnp.asarray([[0.1, 0.2, 0.3, 0.4], [0.5, 0.25, 0.125, 0.125]], jnp.float32)
+    experts, slots, kept, coef = expert_slots(ids, weights, 8, 8)
     np.testing.assert_array_equal(np.asarray(experts), [0, 1, 2, 3, 7, 8, 8, 8])
     np.testing.assert_array_equal(np.asarray(kept), [[False, True, True, True], [True, True, False, True]])
+    np.testing.assert_allclose(np.asarray(coef), [[0, 0.2, 0.4, 0.4], [0.5, 0.25, 0, 0.125]])   # 3: 0.1 + 0.3
+    assert expert_slots(ids[:1], weights[:1], 8, 1)[1].shape == (4, 1)        # one token: its k ids, T = 1
+    with pytest.raises(ValueError, match="2 tokens do not fit the kernels' 1 token columns"):
+        expert_slots(ids, weights, 8, 1)
     named = np.asarray(slots)[np.asarray(slots) >= 0]
     np.testing.assert_array_equal(np.sort(named), np.flatnonzero(np.asarray(kept).reshape(-1)))
 

@@ -58,6 +58,8 @@ def test_kda_decode_outputs_and_coverage():
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, splits=3)
     with pytest.raises(ValueError, match="prep='triton'"):
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="triton")
+    with pytest.raises(ValueError, match="prep_group=2 groups the prep kernel's heads, but prep is 'xla'"):
+        kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="xla", prep_group=2)
 
 
 def _check_prep_kernel(case, seed, group=1):
@@ -106,9 +108,7 @@ def test_kda_decode_plan():
     # The H200 measurements (module doc): 4 below one (sequence, head) pair per SM, 2 from two, else 1.
     assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 128)] == [4, 1, 2, 2, 2]
     assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 9, 32)] == [4, 4, 1, 1, 2, 2]
-    # After a prep, PREPPED_SPLITS from two pairs per SM.
-    assert kd.plan(8, kd.K3_HEADS, 132, "kernel") == kd.plan(8, kd.K3_HEADS, 132, "xla") == kd.PREPPED_SPLITS
-    assert kd.plan(2, kd.K3_HEADS, 132, "kernel") == 1
+    assert kd.plan(8, kd.K3_HEADS, 132) == kd.PREPPED_SPLITS
     # Inputs prepared first from two pairs per SM (K3 from batch 3, Kimi-Linear from 9): by the prep
     # kernel up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs per SM, by XLA above (session 9: K3 b8 kernel, b32 xla).
     assert [kd.prep_mode(b, kd.K3_HEADS, 132) for b in (1, 2, 3)] == ["fused", "fused", "kernel"]

@@ -8,7 +8,7 @@ did not choose expert u):
             (XLA sums each token's k partials and casts: the reference's float32 combine)
 
 Each selected expert's weights are read once per launch, whatever number of tokens chose it (up
-to T = 8, the MMA's N; `cute_bridge.ops` runs more tokens in chunks of 8). T = 1 (one token) keeps
+to T = 8, the MMA's N; `cute_bridge.ops` runs more tokens in equal chunks of at most 8). T = 1 (one token) keeps
 the lean single-row staging; T = 8 stages the named columns' activation rows (an unnamed
 column's copy reads nothing and zero-fills: reading all 8 rows for every block moved 2x the
 weights' bytes and ran 12x slower, session 9). Padding grid rows (experts[u] >= E) return at
@@ -17,7 +17,7 @@ per slot, before: 659 us est.), and the k3-h200 batch-8 step 13.40 -> 10.98 ms (
 routing shares experts more than the benchmark's random one).
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 output
-rows of one slot's expert, its four warps split the input dimension in chunks of four 32-value
+rows of expert experts[u] (grid row u), its four warps split the input dimension in chunks of four 32-value
 scale groups, and each warp multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate): the
 decoded weight rows are the A operand, the token columns' activation rows the B operand
 (T = 1: all 8 columns the same row, column 0 stored; T = 8: column t = token t, each stored
@@ -43,8 +43,8 @@ code pair (a, a + 4) of a word (nibbles a and a + 4, a = 0..3; a = 2, 3 from the
 8): and isolates the two nibbles, one integer multiply by (2^(12-4a) + 2^(6-4a)) places the sign
 and magnitude copies (they do not overlap, so the product is the or of two shifts), and the mask
 0x81C081C0 keeps sign and magnitude: 3 integer ops per pair. One exact `fma.rn.bf16x2` by the
-group's factor 2^(s - 1 - X_EXP) gives the weight times 2^-X_EXP; the activations enter times
-2^X_EXP (`cute_bridge.ops`), so every MMA product equals the reference's (a bf16 factor cannot
+group's factor 2^(s - 1 - MOE_X_EXP) gives the weight times 2^-MOE_X_EXP; the activations enter times
+2^MOE_X_EXP (`cute_bridge.ops`), so every MMA product equals the reference's (a bf16 factor cannot
 hold 2^126 beside the scale). Exact for scale bytes EXACT_SCALES = [59, 192] (weights 2^-68 ..
 2^65 per group; random and real MXFP4 weights sit near 2^-7) and activations below 2^64, as the
 Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the reference. Versus
@@ -69,7 +69,6 @@ import cuda.bindings.driver as cuda
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from cute_bridge.kernel_set import MOE_X_EXP as X_EXP
 from k3jax import mxfp4
 from cute_bridge.kernels.gemv import LANES, TILE, WARPS, mma_bf16_16816
 
@@ -82,7 +81,6 @@ EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3
 STAGES = 2              # chunks per warp in flight ahead of the decode
 X_OFF = 1024            # per warp and stage: codes of rows g, g + 8 (512 B each), then the activations:
 X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
-TOKENS = (1, 8)         # token columns a kernel is compiled for (the MMA's N is 8)
 # Independent MMA accumulator chains per warp (session 7, H200: two made gate_up 2.6% faster and
 # down 9% slower at batch 1, 2.6% / 7% at batch 8).
 GATE_UP_ACCS, DOWN_ACCS = 2, 1
@@ -90,7 +88,7 @@ GATE_UP_ACCS, DOWN_ACCS = 2, 1
 
 def decode_word_ptx() -> str:
     """PTX: $0..$3 = the scaled bf16 pairs (codes a, a + 4), a = 0..3, of word $4 (codes c0..c7
-    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1 - X_EXP) (0 for s = 0); per pair and, mul, and
+    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1 - MOE_X_EXP) (0 for s = 0); per pair and, mul, and
     (the bit placement) and one fma."""
     lines = ["{", ".reg .b32 t, n, nz;", f"mov.b32 nz, 0x{NEG_ZERO2:08X};", "shr.u32 t, $4, 8;"]
     for out, (src, a) in enumerate((("$4", 0), ("$4", 1), ("t", 0), ("t", 1))):
@@ -112,8 +110,8 @@ def _decode_word(word, factor, *, loc=None, ip=None):
 
 def _issue(slot, c, lane, q, groups, cols, top, bot, xsrc, named, tokens, s_top, s_bot):
     """Chunk c's codes (rows g, g + 8) and activations (this lane's share; xsrc is its token row's
-    address, read only if `named`, else zeros are stored: an unnamed column is never stored, and
-    skipping its row keeps the activation traffic to the named columns) into ring `slot` by
+    address; T = 8: read only if `named`, else zeros are stored: an unnamed column is never stored,
+    and skipping its row keeps the activation traffic to the named columns) into ring `slot` by
     cp.async; returns the two scale bytes. Groups past the end are clamped (their factor is
     zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
@@ -182,7 +180,7 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
     """acc (accs C fragments, summed into acc[0:4] at the end) += this warp's chunks of
     dequant(w[e, row0:row0+16]) @ x[rows of the token columns].T for int32 code words at global
     address wb ([E, rows, groups * 4]) with scale bytes at sb ([E, rows, groups]); x's columns in
-    decode order, times 2^X_EXP. xrow: the x row this lane stages (tokens = 1: the one row;
+    decode order, times 2^MOE_X_EXP. xrow: the x row this lane stages (tokens = 1: the one row;
     8: token column lane // 4's row, copied if `named`)."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
@@ -268,11 +266,11 @@ def _slot_of(slots: cute.Tensor, u, j: cutlass.Constexpr):
 
 
 @cute.jit
-def _token_row(slots: cute.Tensor, u, per_row: cutlass.Constexpr, div):
+def _token_row(slots: cute.Tensor, u, tokens: cutlass.Constexpr, div):
     """(The activation row this lane stages, whether its column is named): token column lane // 4
     (T = 1: column 0), read at slot // div."""
     tidx, _, _ = cute.arch.thread_idx()
-    slot = slots[u, (tidx % LANES) // 4 if per_row > 1 else 0]
+    slot = slots[u, (tidx % LANES) // 4 if tokens > 1 else 0]
     return cutlass.max(slot, 0) // div, slot >= 0
 
 
@@ -333,8 +331,8 @@ def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, wei
 @cute.jit
 def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
             w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
-    """z [N, M] bf16 (columns in decode order, times 2^X_EXP), experts [U] int32, slots [U, T]
-    int32 (T static, one of TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
+    """z [N, M] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
+    int32 (T static, one of kernel_set.MOE_TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
     [S, I] bf16 at the named slots (I % 16 == 0; S = N * k)."""
     grid = (2 * (w1.shape[1] // TILE), experts.shape[0], 1)
     _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up).launch(
@@ -344,7 +342,7 @@ def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.T
 @cute.jit
 def down(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
          s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
-    """hid [S, I] bf16 (columns in decode order, times 2^X_EXP), experts [U] int32, slots [U, T]
+    """hid [S, I] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
     int32, weights [S] f32, w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 at the
     named slots (M % 16 == 0)."""
     grid = (w2.shape[1] // TILE, experts.shape[0], 1)
