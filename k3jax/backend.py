@@ -65,8 +65,8 @@ class KernelPlan:
         return _available(op, dict(self.choices)[op])
 
     def runs_kernel(self, op: str) -> bool:
-        """Whether `op` runs a backend's kernel. A fused op (attn_res_mix_norm) that does not is
-        composed by the model from its parts, each as the plan says."""
+        """Whether `op` runs a backend's kernel. A fused op (gated_mlp, attn_res_mix_norm) that does
+        not is composed by the model from its parts, each as the plan says."""
         return dict(self.choices)[op] != "xla"
 
     def describe(self) -> dict[str, str]:

@@ -216,7 +216,8 @@ def summary_table(result: dict) -> str:
 # Fusion granularities, finest first. A granularity is data: which decode ops may run a backend's
 # kernels. A fused op spans op boundaries in one call (gated_mlp: the dense MLP and the shared
 # experts; attn_res_mix_norm: the AttnRes mix and the sub-layer's RMSNorm); "per-op" runs every
-# other kernel but not these (gated_mlp as XLA ops; the mix on its own kernel, the norm in XLA).
+# other kernel but not these: the model composes them from their parts (gated_mlp from three
+# `linear` calls; the mix on its own kernel, the norm in XLA).
 GRANULARITIES = ("xla-ops", "per-op", "fused-sublayer", "layer-megakernel", "step-megakernel")
 FUSED_OPS = ("gated_mlp", "attn_res_mix_norm")
 NOT_IMPLEMENTED = {
