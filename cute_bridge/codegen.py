@@ -20,7 +20,6 @@ _DTYPES = {"float32": "F32", "bfloat16": "BF16", "int32": "S32", "uint8": "U8", 
 
 @dataclasses.dataclass(frozen=True)
 class TensorStruct:
-    arg: str
     n_shapes: int
     shape_type: str
     n_strides: int
@@ -54,7 +53,7 @@ def parse_header(text: str, name: str) -> Header:
         shp = re.search(r"(int\d+_t) dynamic_shapes\[(\d+)\];", body)
         strd = re.search(r"(int\d+_t) dynamic_strides\[(\d+)\];", body)
         structs[pm.group(2)] = TensorStruct(
-            pm.group(2), int(shp.group(2)) if shp else 0, shp.group(1) if shp else "",
+            int(shp.group(2)) if shp else 0, shp.group(1) if shp else "",
             int(strd.group(2)) if strd else 0, strd.group(1) if strd else "")
     return Header(name, tuple(names), structs)
 

@@ -411,13 +411,11 @@ Entry = tuple[str, tuple[int, ...], np.dtype, Callable[[], np.ndarray]]
 
 
 def write_hf_checkpoint(out_dir: str, hf_config: dict, entries: list[Entry], *,
-                        max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                        extra_files: dict[str, str] | None = None) -> str:
+                        max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> str:
     """Writes config.json + safetensors shards (+ index when more than one) into `out_dir`.
 
     Entries are produced and written one tensor at a time. Atomic: everything goes into a
-    temporary sibling directory that is renamed to `out_dir` only when complete. extra_files:
-    {file name in out_dir: source path} copied in as well (e.g. a tokenizer model).
+    temporary sibling directory that is renamed to `out_dir` only when complete.
     """
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
@@ -446,8 +444,6 @@ def write_hf_checkpoint(out_dir: str, hf_config: dict, entries: list[Entry], *,
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
-        for dst, src in (extra_files or {}).items():
-            shutil.copyfile(src, os.path.join(tmp, dst))
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -85,7 +85,7 @@ class K3Config:
     attn_res_block_size: int | None
     # Tokens
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None      # config.json may list several
     pad_token_id: int | None = None
     max_position_embeddings: int = 1 << 20
     name: str = "custom"
@@ -104,6 +104,12 @@ class K3Config:
     def moe_hidden_size(self) -> int:
         """Width the routed experts run at: the latent for K3, the hidden size otherwise."""
         return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence id(s), () if the config has none."""
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
     @property
     def uses_attn_res(self) -> bool:
@@ -305,8 +311,8 @@ def _from_text_config(hf: dict[str, Any], *, name: str, expert_format: ExpertFor
         expert_format = "mxfp4" if (q.get("quant_method") == "compressed-tensors"
                                     and "mxfp4" in str(q.get("format", ""))) else "bf16"
     eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    if isinstance(eos, list):           # every id kept: a generation stops at any of them
+        eos = eos[0] if len(eos) == 1 else tuple(eos) or None
     cfg = K3Config(
         vocab_size=req("vocab_size"), hidden_size=req("hidden_size"), num_hidden_layers=n_layers,
         intermediate_size=req("intermediate_size"), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),

@@ -61,11 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--stop-token", type=int, action="append", default=[], metavar="ID",
-                     help="stop a sequence after this id (repeatable)")
+                     help="also stop a sequence after this id (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the model's eos_token_id (stopping there is the default)")
     out = p.add_argument_group("output")
     out.add_argument("--output", metavar="FILE.json", help="write prompts, generated ids, timings and settings")
     out.add_argument("--quiet", action="store_true", help="print only the summary table")
     return p
+
+
+def stop_tokens(args: argparse.Namespace, cfg) -> list[int]:
+    """--stop-token ids, then the model's eos id(s) unless --ignore-eos."""
+    return list(dict.fromkeys(args.stop_token + ([] if args.ignore_eos else list(cfg.eos_token_ids))))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -97,8 +104,9 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
     prompts = [p for p in prompts for _ in range(args.batch_size)]
     sampling = k3jax.SamplingParams(args.temperature, args.top_k, args.top_p)
+    stops = stop_tokens(args, cfg)
     result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                       stop_tokens=args.stop_token, progress=args.max_new_tokens > 32)
+                                       stop_tokens=stops, progress=args.max_new_tokens > 32)
     device = jax.devices()[0]
     context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
     moved = decode_step_bytes(cfg, len(prompts), context, 2 if args.dtype == "bfloat16" else 4)["total"]
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     achieved = moved / (result.step_ms / 1e3) if result.decode_steps else float("nan")
     report = {
         "settings": {k: v for k, v in vars(args).items()},
+        "stop_tokens": stops,
         "kernels": model.plan.describe(),
         "fallbacks": _fallbacks(args.backend),
         "mesh": args.mesh or "single",

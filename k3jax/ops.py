@@ -151,7 +151,7 @@ def kda_chunked(state, q, k, v, g, beta, chunk: int = 16):
     Pairwise exponents c_t - c_s (s <= t) are <= 0, so nothing overflows for any gate.
     Returns (o [B, T, H, V] float32, final state).
     """
-    b, t, h, dk = k.shape
+    b, t, h, _ = k.shape
     n = -(-t // chunk)
     pad = n * chunk - t
 

@@ -137,6 +137,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
 
 
 def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: list[str] = ()) -> None:
+    from pallas_kernels import registry
     dev = jax.devices()[0]
     meta = {"backend": backend, "device": dev.device_kind, "platform": dev.platform,
             "mode": "compiled" if dev.platform == "gpu" else "Mosaic GPU interpret mode (race detection on)",
@@ -154,6 +155,9 @@ def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: 
     lines += ["", f"{len(results) - n_fail}/{len(results)} cases passed."]
     if not_run:
         lines += ["", f"Not run (time budget): {', '.join(not_run)}."]
+    ops = dict.fromkeys(r.op for r in results)
+    lines += ["", "What each op's kernel covers (the registry's notes):", ""]
+    lines += [f"- {op}: {registry.spec(op).notes}" for op in ops if registry.spec(op).notes]
     atomic.write_text(prefix + ".md", "\n".join(lines) + "\n")
 
 

@@ -70,7 +70,7 @@ def _tf(minor: int):
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
-def covers(q_shape, latent_shape, k_rope_shape, dtype) -> bool:
+def covers(latent_shape, k_rope_shape, dtype) -> bool:
     """Whether the attention kernel handles these shapes/dtype (else `mla_decode` runs the
     reference). The absorption and expansion kernels have their own conditions
     (`_absorb_covers`, `_expand_covers`); outside them the reference's einsum runs."""
@@ -331,7 +331,7 @@ def _combine(o, m, l):
 
 def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
     """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype."""
-    if not covers(q_nope.shape, latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
+    if not covers(latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape

@@ -123,8 +123,8 @@ def _lane_params() -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def unsupported(z, ids, experts: ops.ExpertWeights) -> str | None:
-    """Why the kernel does not cover this call (None: it does)."""
+def unsupported(z, experts: ops.ExpertWeights) -> str | None:
+    """Why the kernel does not cover z [N, M] with these experts (None: it does)."""
     n, m = z.shape
     inter = experts.w1.shape[1]
     if not experts.is_mxfp4 and experts.w1.dtype != jnp.bfloat16:
@@ -139,8 +139,8 @@ def unsupported(z, ids, experts: ops.ExpertWeights) -> str | None:
     return None
 
 
-def covers(z, ids, experts) -> bool:
-    return unsupported(z, ids, experts) is None
+def covers(z, experts) -> bool:
+    return unsupported(z, experts) is None
 
 
 def _step(mxfp4: bool) -> int:
@@ -456,7 +456,7 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
     Past MAX_TOKENS tokens: equal calls of at most MAX_TOKENS rows (ops.map_token_chunks), each
     reading its own selected experts once."""
-    why = unsupported(z, ids, experts)
+    why = unsupported(z, experts)
     if why is not None:
         return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
                                                              linear_beta=linear_beta, expert_chunk=expert_chunk)

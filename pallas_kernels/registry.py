@@ -77,7 +77,8 @@ class OpSpec:
     max |out - ref| / max |ref| over every output leaf, in float32; NaN anywhere fails).
     tolerance(args, kwargs) -> the allowed error (default: TOLERANCE of the first output's dtype).
     donate: positions of the arguments a decode step donates (state the op updates in place):
-    benchmarks donate fresh copies of them, so they time what the step runs.
+    benchmarks donate fresh copies of them, so they time what the step runs. notes: what the
+    kernel covers, printed in the validation report.
     """
 
     name: str

@@ -105,3 +105,21 @@ def test_every_tool_lets_xla_take_most_of_the_gpu(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     run_cli("t", lambda: seen.append(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) or 0)
     assert seen == ["0.94", "0.5"]
+
+
+def test_decode_stops_at_the_models_eos_unless_ignored():
+    """A checkpoint's eos_token_id ends a sequence by default; config.json may list several ids,
+    and every one is kept."""
+    import copy
+
+    from k3jax.config import K3Config
+    from k3jax.presets import PRESETS, get_preset
+    cfg = get_preset("k3-full")
+    parse = decode.build_parser().parse_args
+    assert decode.stop_tokens(parse([]), cfg) == [163586]
+    assert decode.stop_tokens(parse(["--stop-token", "7", "--stop-token", "163586"]), cfg) == [7, 163586]
+    assert decode.stop_tokens(parse(["--ignore-eos", "--stop-token", "7"]), cfg) == [7]
+    assert decode.stop_tokens(parse([]), get_preset("k3-tiny")) == []
+    hf = copy.deepcopy(PRESETS["k3-full"])
+    hf["text_config"]["eos_token_id"] = [163586, 163585]
+    assert K3Config.from_hf(hf).eos_token_ids == (163586, 163585)

@@ -130,10 +130,10 @@ def test_padded_expert_slots_are_skipped_and_zero(fmt, d):
 
 def test_coverage_and_split_plan():
     z, ids, w, experts = me._make(2, 512, 512, 4, 2)(jax.random.key(0))
-    assert me.covers(z, ids, experts)
-    assert "float32" in me.unsupported(z.astype(jnp.float32), ids, experts)
-    assert me.covers(jnp.zeros((65, 512), jnp.bfloat16), ids, experts)      # as two calls
-    assert "no tokens" in me.unsupported(jnp.zeros((0, 512), jnp.bfloat16), ids, experts)
+    assert me.covers(z, experts)
+    assert "float32" in me.unsupported(z.astype(jnp.float32), experts)
+    assert me.covers(jnp.zeros((65, 512), jnp.bfloat16), experts)      # as two calls
+    assert "no tokens" in me.unsupported(jnp.zeros((0, 512), jnp.bfloat16), experts)
     for n in (1, 8, 32, 64):
         slots = min(448, n * 16)
         s = me.down_splits(3584 // 64, 3072, slots, max(8, n), mgpu.H200_SMS)
@@ -145,10 +145,10 @@ def test_coverage_and_split_plan():
 
 def test_bf16_coverage_and_stages():
     z, ids, w, experts = me._make(2, 128, 256, 4, 2, "bf16")(jax.random.key(0))
-    assert me.covers(z, ids, experts)
+    assert me.covers(z, experts)
     f32 = ops.ExpertWeights(*(x.astype(jnp.float32) for x in (experts.w1, experts.w3, experts.w2)))
-    assert "float32" in me.unsupported(z, ids, f32)
-    assert "multiple of 128" in me.unsupported(z[:, :96], ids, experts)
+    assert "float32" in me.unsupported(z, f32)
+    assert "multiple of 128" in me.unsupported(z[:, :96], experts)
     # >= 2 stages (TMA overlaps the wgmma) up to 64 tokens; 3 (gate/up) and 4 (down) at batch 1-8.
     for n in (8, 16, 32, 64):
         assert 2 <= me._stages(n, 2, False) and 3 <= me._stages(n, 1, False)
@@ -183,7 +183,7 @@ def test_moe_experts_bf16_cuda_export(n, shape, act):
     m, i, e, k = shape
     s = jax.ShapeDtypeStruct
     experts = ops.ExpertWeights(s((e, i, m), jnp.bfloat16), s((e, i, m), jnp.bfloat16), s((e, m, i), jnp.bfloat16))
-    assert me.covers(s((n, m), jnp.bfloat16), None, experts)
+    assert me.covers(s((n, m), jnp.bfloat16), experts)
     assert _export_has_kernels(experts, n, m, k, act)
 
 

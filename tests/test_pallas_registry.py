@@ -37,6 +37,7 @@ def test_validate_cli_writes_report(tmp_path):
     assert report["results"] and all(r["passed"] for r in report["results"])
     assert all(r["races"] is False for r in report["results"])
     assert "PASS" in open(prefix + ".md").read()
+    assert "- linear: bf16, out >= 64" in open(prefix + ".md").read()      # the op's coverage notes
     # --budget-s: cases past the budget are listed as not run, in the JSON and the Markdown
     assert validate.main(["--op", "route", "--op", "linear", "--out", prefix, "--budget-s", "0"]) == 0
     report = json.load(open(prefix + ".json"))
