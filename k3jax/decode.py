@@ -75,6 +75,11 @@ def stop_tokens(args: argparse.Namespace, cfg) -> list[int]:
     return list(dict.fromkeys(args.stop_token + ([] if args.ignore_eos else list(cfg.eos_token_ids))))
 
 
+def pad_id(cfg) -> int:
+    """What fills a sequence after it stops: the model's pad_token_id, else 0."""
+    return cfg.pad_token_id if cfg.pad_token_id is not None else 0
+
+
 def run(args: argparse.Namespace) -> dict:
     import jax
 
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     sampling = k3jax.SamplingParams(args.temperature, args.top_k, args.top_p)
     stops = stop_tokens(args, cfg)
     result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                       stop_tokens=stops, progress=args.max_new_tokens > 32)
+                                       stop_tokens=stops, pad_id=pad_id(cfg), progress=args.max_new_tokens > 32)
     device = jax.devices()[0]
     context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
     moved = decode_step_bytes(cfg, len(prompts), context, 2 if args.dtype == "bfloat16" else 4)["total"]
@@ -115,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {
         "settings": {k: v for k, v in vars(args).items()},
         "stop_tokens": stops,
+        "pad_id": pad_id(cfg),
         "kernels": model.plan.describe(),
         "fallbacks": _fallbacks(args.backend),
         "mesh": args.mesh or "single",

@@ -120,6 +120,7 @@ def test_decode_stops_at_the_models_eos_unless_ignored():
     assert decode.stop_tokens(parse(["--stop-token", "7", "--stop-token", "163586"]), cfg) == [7, 163586]
     assert decode.stop_tokens(parse(["--ignore-eos", "--stop-token", "7"]), cfg) == [7]
     assert decode.stop_tokens(parse([]), get_preset("k3-tiny")) == []
+    assert decode.pad_id(cfg) == 163839 and decode.pad_id(get_preset("k3-tiny")) == 0     # after a stop
     hf = copy.deepcopy(PRESETS["k3-full"])
     hf["text_config"]["eos_token_id"] = [163586, 163585]
     assert K3Config.from_hf(hf).eos_token_ids == (163586, 163585)
