@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> dict:
         prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
     prompts = [p for p in prompts for _ in range(args.batch_size)]
     sampling = k3jax.SamplingParams(args.temperature, args.top_k, args.top_p)
-    stops = stop_tokens(args, cfg)
+    stops, pad = stop_tokens(args, cfg), pad_id(cfg)
     result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                       stop_tokens=stops, pad_id=pad_id(cfg), progress=args.max_new_tokens > 32)
+                                       stop_tokens=stops, pad_id=pad, progress=args.max_new_tokens > 32)
     device = jax.devices()[0]
     context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
     moved = decode_step_bytes(cfg, len(prompts), context, 2 if args.dtype == "bfloat16" else 4)["total"]
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {
         "settings": {k: v for k, v in vars(args).items()},
         "stop_tokens": stops,
-        "pad_id": pad_id(cfg),
+        "pad_id": pad,
         "kernels": model.plan.describe(),
         "fallbacks": _fallbacks(args.backend),
         "mesh": args.mesh or "single",

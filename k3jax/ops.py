@@ -79,10 +79,9 @@ def glu(gate: jax.Array, up: jax.Array, act: str, beta: float, linear_beta: floa
     return situ(gate, up, beta, linear_beta) if act == "situ" else silu_glu(gate, up)
 
 
-def gated_mlp(x, w_gate, w_up, w_down, act: str, beta: float, linear_beta: float | None, *, proj=None):
+def gated_mlp(x, w_gate, w_up, w_down, act: str, beta: float, linear_beta: float | None, *, proj=linear):
     """down(glu(gate(x), up(x))): x [..., D] -> [..., D] in x's dtype; weights [I, D], [I, D], [D, I].
-    proj: the projection to use (default `linear`; the model passes its plan's "linear" kernel)."""
-    proj = proj or linear
+    proj: the projection to use (the model passes its plan's "linear" kernel)."""
     return proj(glu(proj(x, w_gate), proj(x, w_up), act, beta, linear_beta), w_down)
 
 

@@ -183,17 +183,18 @@ def cost(args, kwargs) -> tuple[float, float]:
     return float(nbytes), 6.0 * cand.size
 
 
-registry.register_spec(registry.OpSpec(
-    name="attn_res_mix", reference=ops.attn_res_mix, cases=lambda: _cases(False), cost=cost,
-    notes=f"bf16, D % 128 == 0, (N + 3) * D * 2 bytes <= {SMEM_BUDGET // 1024} KB, >= {KERNEL_MIN_ROWS} rows in "
-          "the kernel; anything else runs the reference (cases force the kernel: min_rows=1)",
-))
 def _norm_tolerance(args, kwargs) -> float:
     """Two bf16 roundings in series: the mix (kernel and reference may land one ulp apart, a shift
     the norm carries through), then the normalised, weighted output; 2 x the one-rounding bound
     (K3 N = 9 on the H200: up to 1.15e-2, kernel and mix-kernel + XLA norm alike)."""
     return 2 * registry.TOLERANCE[jnp.dtype(args[0].dtype).name]
 
+
+registry.register_spec(registry.OpSpec(
+    name="attn_res_mix", reference=ops.attn_res_mix, cases=lambda: _cases(False), cost=cost,
+    notes=f"bf16, D % 128 == 0, (N + 3) * D * 2 bytes <= {SMEM_BUDGET // 1024} KB, >= {KERNEL_MIN_ROWS} rows in "
+          "the kernel; anything else runs the reference (cases force the kernel: min_rows=1)",
+))
 
 registry.register_spec(registry.OpSpec(
     name="attn_res_mix_norm", reference=ops.attn_res_mix_norm, cases=lambda: _cases(True), cost=cost,

@@ -23,6 +23,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def counting_plan():
+    """plan -> (the same KernelPlan, recording the op name of every implementation it hands out,
+    and that list of names)."""
+    from k3jax.backend import KernelPlan
+
+    calls: list[str] = []
+
+    class CountingPlan(KernelPlan):
+        def __call__(self, op):
+            calls.append(op)
+            return super().__call__(op)
+    return lambda plan: (CountingPlan(plan.choices), calls)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """Float32 tiny models with random weights, built once per session: tiny_model(preset).

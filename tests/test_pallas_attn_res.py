@@ -98,29 +98,18 @@ def small_model_and_logits():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
-def test_small_model_mix_norm_plans_match_xla(fused, small_model_and_logits, monkeypatch):
+def test_small_model_mix_norm_plans_match_xla(fused, small_model_and_logits, monkeypatch, counting_plan):
     """With attn_res_mix_norm on its kernel every sub-layer input (and the lm_head's) comes from the
     fused kernel; with it on XLA the model composes the plan's attn_res_mix with the XLA norm.
     Either way the logits are the XLA backend's within bf16 tolerance."""
     import k3jax
     from k3jax.backend import XLA, KernelPlan
 
-    class CountingPlan:
-        def __init__(self, plan):
-            self.plan, self.calls = plan, {}
-
-        def runs_kernel(self, op):
-            return self.plan.runs_kernel(op)
-
-        def __call__(self, op):
-            self.calls[op] = self.calls.get(op, 0) + 1
-            return self.plan(op)
-
     model, ids, ref = small_model_and_logits
     for kernel_fn in (arm.attn_res_mix, arm.attn_res_mix_norm):         # the kernels, not the few-row rule
         monkeypatch.setitem(kernel_fn.__kwdefaults__, "min_rows", 1)
     kernel = "attn_res_mix_norm" if fused else "attn_res_mix"
-    plan = CountingPlan(KernelPlan.for_backend("xla", **{kernel: "pallas"}))
+    plan, calls = counting_plan(KernelPlan.for_backend("xla", **{kernel: "pallas"}))
     model.plan = plan
     registry.clear_fallbacks()
     try:
@@ -128,7 +117,7 @@ def test_small_model_mix_norm_plans_match_xla(fused, small_model_and_logits, mon
     finally:
         model.plan = XLA
     layers = model.cfg.num_hidden_layers
-    assert plan.calls.get(kernel) == 2 * layers, plan.calls        # every mix but layer 0's first: 2L - 1 + final
-    assert plan.calls.get("attn_res_mix" if fused else "attn_res_mix_norm", 0) == 0, plan.calls
+    assert calls.count(kernel) == 2 * layers, calls        # every mix but layer 0's first: 2L - 1 + final
+    assert calls.count("attn_res_mix" if fused else "attn_res_mix_norm") == 0, calls
     assert not registry.fallbacks(), registry.fallbacks()
     assert registry.relative_max_error(out, ref) <= 4 * registry.TOLERANCE["bfloat16"]

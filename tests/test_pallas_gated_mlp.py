@@ -82,7 +82,7 @@ def test_gated_mlp_gpu(case):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel", "composed"])
-def test_layer_runs_the_kernel_or_composes_the_plans_linear(fused):
+def test_layer_runs_the_kernel_or_composes_the_plans_linear(fused, counting_plan):
     """GatedMLP: with gated_mlp on its kernel one call; with it on XLA (the per-op granularity) the
     formula over the plan's "linear" (three projection kernels); the same output either way."""
     from flax import nnx
@@ -91,16 +91,9 @@ def test_layer_runs_the_kernel_or_composes_the_plans_linear(fused):
     from k3jax.layers import GatedMLP
     from k3jax.presets import get_preset
 
-    calls = []
-
-    class CountingPlan(KernelPlan):
-        def __call__(self, op):
-            calls.append(op)
-            return super().__call__(op)
-
     mlp = GatedMLP(get_preset("k3-small"), 128, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (3, 512), jnp.bfloat16)
-    plan = CountingPlan(KernelPlan.for_backend("xla", **({"gated_mlp": "pallas"} if fused else {"linear": "pallas"})).choices)
+    plan, calls = counting_plan(KernelPlan.for_backend("xla", **({"gated_mlp": "pallas"} if fused else {"linear": "pallas"})))
     out = mlp(x, plan)
     assert calls == (["gated_mlp"] if fused else ["linear"]), calls
     ref = ops.gated_mlp(x, mlp.gate_proj.weight[...], mlp.up_proj.weight[...], mlp.down_proj.weight[...], *mlp.act)
