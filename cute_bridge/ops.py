@@ -3,8 +3,9 @@
 Each takes exactly its reference's arguments (k3jax.ops). Shapes/dtypes a kernel does not cover,
 or a process without a GPU, fall back to the reference with one log line per reason.
 
-  linear:       bf16 x [..., K] @ w [N, K].T with at most 8 rows and K % 8 == 0 (rows padded up to
-                the next compiled count): one row -> gemv_r1 (SIMT) when N >= SIMT_MIN_ROWS; else
+  linear:       bf16 x [..., K] @ w [N, K].T with 2-8 rows and K % 8 == 0 (rows padded up to the
+                next compiled count; one row runs XLA's GEMV, GEMV_MIN_ROWS; min_rows=1 forces the
+                kernel): one row -> gemv_r1 (SIMT) when N >= SIMT_MIN_ROWS; else
                 the MMA kernels, gemv_r{2,4,8}, or for narrow w (N < 16 x SPLIT_MAX_TILES)
                 gemv_split_r* over k_splits(N, K) slices of K with XLA summing the float32 partials.
   moe_experts:  MXFP4 experts, bf16 z [N, M], M and I multiples of 32, grouped by expert: the
@@ -37,6 +38,10 @@ SPLIT_MAX_TILES = 2 * 132  # from this many 16-row tiles up, no split
 SPLIT_BLOCKS = 4 * 132    # blocks a split aims at (four per H200 SM)
 MIN_SPLIT_CHUNKS = 16     # 32-column chunks per K slice at least (four per warp)
 SIMT_MIN_ROWS = 1024      # one x row and at least this many outputs: gemv_r1 (SIMT); fewer: split MMA
+# One row runs XLA's GEMV: faster in the decode step (H200, k3-h200 batch 1, session 11: 5.87 ms
+# with every projection on XLA's GEMV, 6.17 ms on these kernels; op for op the kernels match XLA's
+# GEMV, but the step's XLA GEMVs need no separate launch for their input and output glue).
+GEMV_MIN_ROWS = 2
 
 
 def _runnable() -> str | None:
@@ -45,9 +50,12 @@ def _runnable() -> str | None:
     return None if loader.has_gpu() else "no GPU"
 
 
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., K] @ weight [N, K].T -> [..., N], float32 accumulation, x's dtype (ops.linear)."""
+def linear(x: jax.Array, weight: jax.Array, *, min_rows: int = GEMV_MIN_ROWS) -> jax.Array:
+    """x [..., K] @ weight [N, K].T -> [..., N], float32 accumulation, x's dtype (ops.linear).
+    Fewer than `min_rows` rows run the reference (faster in the step; 1: always the kernel)."""
     rows = math.prod(x.shape[:-1])
+    if rows < min_rows:
+        return ops.linear(x, weight)
     k = x.shape[-1]
     reason = _runnable() or (
         "needs bf16 x and weight" if (x.dtype, weight.dtype) != (jnp.bfloat16, jnp.bfloat16) else

@@ -11,11 +11,12 @@ When out is not a multiple of 64 (K3's 96-row KDA beta projection), the last til
 weight's last 64 rows, overlapping the tile before it, and the epilogue keeps only its new rows.
 
 Shapes the kernel does not cover (non-bf16, out below 64, in not a multiple of 64, more than 256
-rows) run the reference (k3jax.ops.linear) instead; `covers()` says which. So does one row times
-a weight under XLA_GEMV_BYTES, where XLA's single fused GEMV beats the kernel plus its epilogue
-(H200, sessions 1 and 8: 1.9-3.7 us against 4.5-6.0 us for K3's 1.4-8.3 MB projections; from 22 MB,
-or from 8 rows, the kernel is as fast or faster). In the k3-h200 batch-1 step: 6.30 ms against
-6.36 ms with the kernel forced (session 9).
+rows) run the reference (k3jax.ops.linear) instead; `covers()` says which. So does a single row
+(below KERNEL_MIN_ROWS), where XLA's own GEMV is faster in the decode step: it needs no row pad
+and no partial-sum epilogue, two launches per projection here. H200, k3-h200 batch-1 step: 5.93
+ms with every one-row projection on XLA's GEMV, 6.23 ms with weights of 16 MB and more on the
+kernel (the rule until session 10), 6.36 ms with all on the kernel (sessions 9, 11). From 8 rows
+the two are within 1% in the step (10.28 vs 10.39 ms, session 11).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pallas_kernels import mgpu, registry
 BLOCK_OUT = 64            # one warpgroup's wgmma M
 MAX_ROWS = 256            # largest wgmma N
 SMEM_BUDGET = 180 * 1024  # of the H200's 227 KB per block; leaves room for the epilogue tile
-XLA_GEMV_BYTES = 16 * 2**20   # one row times a smaller weight runs XLA's GEMV (module doc)
+KERNEL_MIN_ROWS = 2       # fewer rows run XLA's GEMV, faster in the step (module doc)
 
 
 def covers(x_shape, w_shape, x_dtype, w_dtype) -> bool:
@@ -122,16 +123,16 @@ def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: in
     )(xp, w)
 
 
-def linear(x: jax.Array, weight: jax.Array, *, xla_gemv_bytes: int = XLA_GEMV_BYTES) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array, *, min_rows: int = KERNEL_MIN_ROWS) -> jax.Array:
     """Same contract as k3jax.ops.linear: x [..., in] @ weight[out, in].T -> [..., out] in x's dtype.
-    One row times a weight under `xla_gemv_bytes` runs the reference (0: always the kernel)."""
+    Fewer than `min_rows` rows run the reference (faster there, module doc; 1: always the kernel)."""
     lead, din = x.shape[:-1], x.shape[-1]
     out = weight.shape[0]
     rows = math.prod(lead)
     if not covers(x.shape, weight.shape, x.dtype, weight.dtype):
         why = f"x {x.dtype}{list(x.shape)}, weight {weight.dtype}{list(weight.shape)} not covered"
         return registry.fallback("linear", "pallas", why)(x, weight)
-    if rows == 1 and weight.nbytes < xla_gemv_bytes:
+    if rows < min_rows:
         return ops.linear(x, weight)          # faster there (module doc), not a coverage gap
     n = max(8, -(-rows // 8) * 8)
     xp = jnp.pad(x.reshape(rows, din), ((0, n - rows), (0, 0)))
@@ -166,15 +167,15 @@ def _make(rows: int, out: int, din: int, dtype=jnp.bfloat16):
 
 
 def cases() -> list[registry.Case]:
-    kernel = (("xla_gemv_bytes", 0),)      # the kernel at one row too, whatever the weight size
+    kernel = (("min_rows", 1),)      # the kernel at one row too
     small = [registry.Case(f"rows{r}_out{o}_in{i}", _make(r, o, i), batch=r, kernel_kwargs=kernel)
              for r, o, i in ((1, 128, 256), (5, 64, 512), (8, 192, 128), (33, 128, 384), (256, 64, 256),
                              (4, 512, 64))]
     small.append(registry.Case("out96_overlapping_tile", _make(1, 96, 256), batch=1, kernel_kwargs=kernel))
-    small.append(registry.Case("out200_k_split", _make(2, 200, 1024), batch=2))
+    small.append(registry.Case("out200_k_split", _make(2, 200, 1024), batch=2, kernel_kwargs=kernel))
     # Outside the kernel's coverage: must still match (the reference runs).
     small.append(registry.Case("fallback_out32", _make(3, 32, 256), batch=3))
-    k3 = [registry.Case(f"{name}_b{b}", _make(b, o, i), batch=b, sizes=frozenset({"k3"}))
+    k3 = [registry.Case(f"{name}_b{b}", _make(b, o, i), batch=b, sizes=frozenset({"k3"}), kernel_kwargs=kernel)
           for name, (o, i) in K3_SHAPES.items() for b in BENCH_BATCHES]
     k3.append(registry.Case("kda_qkvg_proj_b256", _make(256, 12288, 7168), batch=256, sizes=frozenset({"k3"})))
     return small + k3
@@ -190,5 +191,6 @@ def cost(args, kwargs) -> tuple[float, float]:
 
 registry.register_spec(registry.OpSpec(
     name="linear", reference=ops.linear, cases=cases, cost=cost,
-    notes="bf16, out >= 64, in % 64 == 0, <= 256 rows in the kernel; anything else runs the reference",
+    notes=f"bf16, out >= 64, in % 64 == 0, {KERNEL_MIN_ROWS}-256 rows in the kernel; anything else runs the "
+          "reference (cases force the kernel at one row: min_rows=1)",
 ))

@@ -2,6 +2,7 @@
 arguments, and every kernel (and the registered ops at K3 decode shapes) lowers and exports for CUDA."""
 
 import ctypes
+import functools
 import logging
 
 import jax
@@ -69,7 +70,9 @@ def test_registered_ops_export_at_k3_decode_shapes():
     cfg = get_preset("k3-h200")
     d, m, inter, e, k = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, \
         cfg.num_experts, cfg.num_experts_per_token
-    assert BY_NAME["gemv_r1"].target in _export(cute_ops.linear, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
+    one_row = functools.partial(cute_ops.linear, min_rows=1)      # one row: the kernel, not XLA's GEMV
+    assert BY_NAME["gemv_r1"].target in _export(one_row, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
+    assert "k3cute" not in _export(cute_ops.linear, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
 
     def experts(z, ids, w, p13, q13, p2, q2):
         ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2)
@@ -81,8 +84,7 @@ def test_registered_ops_export_at_k3_decode_shapes():
         assert BY_NAME[f"moe_gate_up_t{tokens}"].target in text and BY_NAME[f"moe_down_t{tokens}"].target in text
     # One row runs the SIMT kernel down to 1024 outputs; narrower matrices and more rows run the
     # MMA kernels, splitting K (float32 partials summed by XLA) when the row tiles cannot fill the GPU.
-    assert BY_NAME["gemv_split_r1"].target in _export(cute_ops.linear, S((1, d), jnp.bfloat16),
-                                                      S((576, d), jnp.bfloat16))
+    assert BY_NAME["gemv_split_r1"].target in _export(one_row, S((1, d), jnp.bfloat16), S((576, d), jnp.bfloat16))
     assert BY_NAME["gemv_split_r8"].target in _export(cute_ops.linear, S((8, d), jnp.bfloat16),
                                                       S((1536, d), jnp.bfloat16))
     assert BY_NAME["gemv_r8"].target in _export(cute_ops.linear, S((5, d), jnp.bfloat16),

@@ -49,7 +49,7 @@ def test_linear_cuda_export(rows, out, din):
     """Lowers the real (compiled) kernel for CUDA on this CPU machine: catches lowering errors."""
     avals = (jax.ShapeDtypeStruct((rows, din), jnp.bfloat16), jax.ShapeDtypeStruct((out, din), jnp.bfloat16))
     with mgpu.compile_for_gpu():
-        exported = jax.export.export(jax.jit(lambda x, w: lin.linear(x, w, xla_gemv_bytes=0)), platforms=["cuda"])(*avals)
+        exported = jax.export.export(jax.jit(lambda x, w: lin.linear(x, w, min_rows=1)), platforms=["cuda"])(*avals)
     assert "linear_gemv_mosaic_gpu" in exported.mlir_module()     # the kernel's name in profiles
 
 
@@ -87,9 +87,9 @@ def test_tiny_model_pallas_plan_matches_xla():
     np.testing.assert_array_equal(np.argmax(out, -1), np.argmax(ref, -1))
 
 
-def test_one_row_small_weights_run_xlas_gemv():
-    """One row times a weight under XLA_GEMV_BYTES runs the reference (faster there on the H200);
-    more rows, or xla_gemv_bytes=0, run the kernel."""
+def test_one_row_runs_xlas_gemv():
+    """One row runs the reference (XLA's GEMV, faster in the H200 decode step); more rows, or
+    min_rows=1, run the kernel."""
     x = jax.random.normal(jax.random.key(1), (1, 256), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (128, 256), jnp.bfloat16)
 
@@ -97,5 +97,5 @@ def test_one_row_small_weights_run_xlas_gemv():
         with mgpu.compile_for_gpu():
             return jax.export.export(jax.jit(lambda x, w: lin.linear(x, w, **kw)), platforms=["cuda"])(*args).mlir_module()
     assert "linear_gemv" not in hlo(x, w)
-    assert "linear_gemv" in hlo(x, w, xla_gemv_bytes=0)
+    assert "linear_gemv" in hlo(x, w, min_rows=1)
     assert "linear_gemv" in hlo(jnp.concatenate([x, x]), w)
