@@ -513,10 +513,16 @@ def _init_value(slot: Slot, name: str, cfg: K3Config, seed: int) -> np.ndarray:
         std = 1.0
     elif last in ("o_norm", "self_attention_res_norm", "mlp_res_norm", "output_attn_res_norm") or (
             last == "weight" and "norm" in str(slot.path[-2])):
-        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(DTYPES[slot.hf_dtype])
+        return _draw_cast(1.0 + 0.1 * rng.standard_normal(shape), slot.hf_dtype)
     else:
         std = 0.02
-    return (std * rng.standard_normal(shape)).astype(DTYPES[slot.hf_dtype])
+    return _draw_cast(std * rng.standard_normal(shape), slot.hf_dtype)
+
+
+def _draw_cast(values: np.ndarray, hf_dtype: str) -> np.ndarray:
+    """float64 draws -> the tensor's dtype through float32: ml_dtypes < 0.7 rounded float64 -> bf16
+    through float32 and 0.7 rounds once, so the direct cast's last bit depends on its version."""
+    return values.astype(np.float32).astype(DTYPES[hf_dtype])
 
 
 @jax.jit
