@@ -69,26 +69,29 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
 # per distinct expert (U); slots [U, T] names the slot each of T token columns fills (-1: none).
 MOE_X_EXP = mxfp4.DECODE_X_EXP
 MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops chunks more tokens
+MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or four sharing each activation read
 
 
-def _moe(tokens: int) -> tuple[KernelSpec, KernelSpec]:
+def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
     """(moe_gate_up_t{tokens}: z [N, M] -> gate, up [S, I] bf16; moe_down_t{tokens}: hid [S, I],
-    weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]."""
+    weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]; `rows` per
+    block (names end in _rows{rows} past 16)."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
+    suffix = "" if rows == 16 else f"_rows{rows}"
     return (
         KernelSpec(
-            name=f"moe_gate_up_t{tokens}", entry="cute_bridge.kernels.mxfp4_moe:gate_up",
+            name=f"moe_gate_up_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:gate_up{suffix}",
             inputs=(Arg("z", "bfloat16", ("N", "M")), *route,
                     Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
                     Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
             outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
-            divisibility=(("M", 32), ("I", 16), ("M8", 4))),
+            divisibility=(("M", 32), ("I", rows), ("M8", 4))),
         KernelSpec(
-            name=f"moe_down_t{tokens}", entry="cute_bridge.kernels.mxfp4_moe:down",
+            name=f"moe_down_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:down{suffix}",
             inputs=(Arg("hid", "bfloat16", ("S", "I")), *route, Arg("weights", "float32", ("S",)),
                     Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
             outputs=(Arg("part", "float32", ("S", "M")),),
-            divisibility=(("I", 32), ("M", 16), ("I8", 4))))
+            divisibility=(("I", 32), ("M", rows), ("I8", 4))))
 
 
 KERNELS: tuple[KernelSpec, ...] = (
@@ -96,7 +99,7 @@ KERNELS: tuple[KernelSpec, ...] = (
                inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
                outputs=(Arg("out", "float32", ("n",)),)),
     *(_gemv(r, kind) for kind in ("", "split") for r in GEMV_ROWS),
-    *(spec for t in MOE_TOKENS for spec in _moe(t)),
+    *(spec for r in MOE_BLOCK_ROWS for t in MOE_TOKENS for spec in _moe(t, r)),
 )
 
 BY_NAME = {k.name: k for k in KERNELS}

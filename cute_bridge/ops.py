@@ -15,7 +15,11 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in equal chunks
                 of at most 8 (ops.map_token_chunks), each reading its experts once. The kernels take the
                 activations permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64);
-                exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192).
+                exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192). A block
+                owns MOE_ROWS = 64 expert rows (four MMA row tiles sharing each activation read;
+                the `_rows64` kernels) when M and I divide by 64, else 16 (`block_rows=16` forces
+                it). H200, K3 E=448 (session 11): 16 / 32 / 64 / 128 rows per block 101.5 / 98.8 /
+                94.1 / 109.4 us at batch 1, 639.6 / 553.7 / 551.7 / 643.3 us at batch 8.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from cute_bridge import loader
-from cute_bridge.kernel_set import GEMV_ROWS, MOE_TOKENS, MOE_X_EXP
+from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_X_EXP
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
 
@@ -42,6 +46,7 @@ SIMT_MIN_ROWS = 1024      # one x row and at least this many outputs: gemv_r1 (S
 # with every projection on XLA's GEMV, 6.17 ms on these kernels; op for op the kernels match XLA's
 # GEMV, but the step's XLA GEMVs need no separate launch for their input and output glue).
 GEMV_MIN_ROWS = 2
+MOE_ROWS = 64             # expert rows per MoE block where M and I divide (module doc)
 
 
 def _runnable() -> str | None:
@@ -127,10 +132,14 @@ def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: i
 
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
-                act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
-    """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M]."""
+                act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64,
+                block_rows: int = MOE_ROWS) -> jax.Array:
+    """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M].
+    block_rows: expert rows per block, one of kernel_set.MOE_BLOCK_ROWS."""
     m = z.shape[1]
     inter = experts.w1.shape[1]
+    if block_rows not in MOE_BLOCK_ROWS:
+        raise ValueError(f"block_rows={block_rows}: compiled MoE kernels take {MOE_BLOCK_ROWS}")
     reason = _runnable() or (
         "bf16 experts have no CuTe kernel" if not experts.is_mxfp4 else
         "needs bf16 activations" if z.dtype != jnp.bfloat16 else
@@ -138,21 +147,24 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     if reason:
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
-    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta)  # noqa: E731
+    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta, block_rows)  # noqa: E731
     return ops.map_token_chunks(run, z, ids, weights, MOE_TOKENS[-1])
 
 
-def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta) -> jax.Array:
+def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta, block_rows) -> jax.Array:
     """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
     n, m = z.shape
     k = ids.shape[1]
     tokens = next(t for t in MOE_TOKENS if t >= n)
     uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
-    gate, up = loader.call(f"moe_gate_up_t{tokens}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+    if m % block_rows or experts.w1.shape[1] % block_rows:
+        block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
+    kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
+    gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
                            experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
     hid = ops.glu(gate, up, act, beta, linear_beta)
-    (part,) = loader.call(f"moe_down_t{tokens}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
+    (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
                           _words(experts.w2), experts.s2)
     part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
     return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine

@@ -49,6 +49,11 @@ def _export(f, *avals):
     return exp.mlir_module()
 
 
+def _calls(text: str, *names: str) -> bool:
+    """Does the exported module call every named kernel? (the exact target: one name can prefix another)"""
+    return all(f"@{BY_NAME[name].target}(" in text for name in names)
+
+
 @pytest.mark.parametrize("name,avals,dims", [
     ("add", (S((1000,), jnp.float32),) * 2, None),
     ("gemv_r1", (S((1, 7168), jnp.bfloat16), S((1536, 7168), jnp.bfloat16)), None),
@@ -61,7 +66,20 @@ def _export(f, *avals):
 ])
 def test_kernel_lowers_and_exports_for_cuda(name, avals, dims):
     text = _export(lambda *a: loader.call(name, *a, dims=dims), *avals)
-    assert f"@{BY_NAME[name].target}(" in text
+    assert _calls(text, name)
+
+
+def _packed_experts(e: int, m: int, inter: int) -> tuple:
+    """Avals of MXFP4 expert weights: w1/w3 codes + scales [e, inter, m / 2 | m / 32], w2's [e, m, ...]."""
+    return (S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),
+            S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
+
+
+def _experts(z, ids, w, p13, q13, p2, q2, block_rows=64):
+    """cute_bridge.ops.moe_experts with w1 = w3 (their codes play no part in which kernel runs)."""
+    from cute_bridge import ops as cute_ops
+    ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2)
+    return cute_ops.moe_experts(z, ids, w, ew, act="situ", beta=4.0, linear_beta=25.0, block_rows=block_rows)
 
 
 def test_registered_ops_export_at_k3_decode_shapes():
@@ -71,24 +89,34 @@ def test_registered_ops_export_at_k3_decode_shapes():
     d, m, inter, e, k = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, \
         cfg.num_experts, cfg.num_experts_per_token
     one_row = functools.partial(cute_ops.linear, min_rows=1)      # one row: the kernel, not XLA's GEMV
-    assert BY_NAME["gemv_r1"].target in _export(one_row, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
+    assert _calls(_export(one_row, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16)), "gemv_r1")
     assert "k3cute" not in _export(cute_ops.linear, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
 
-    def experts(z, ids, w, p13, q13, p2, q2):
-        ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2)
-        return cute_ops.moe_experts(z, ids, w, ew, act="situ", beta=4.0, linear_beta=25.0)
-    packed = (S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),
-              S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
+    packed = _packed_experts(e, m, inter)
     for n, tokens in ((1, 1), (8, 8), (20, 8)):      # one token; up to 8 token columns; chunks of <= 8
-        text = _export(experts, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
-        assert BY_NAME[f"moe_gate_up_t{tokens}"].target in text and BY_NAME[f"moe_down_t{tokens}"].target in text
+        text = _export(_experts, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
+        rows64 = (f"moe_gate_up_t{tokens}_rows64", f"moe_down_t{tokens}_rows64")
+        rows16 = (f"moe_gate_up_t{tokens}", f"moe_down_t{tokens}")
+        assert _calls(text, *rows64) and not any(_calls(text, name) for name in rows16)
+        one_tile = functools.partial(_experts, block_rows=16)    # one MMA row tile per block
+        text = _export(one_tile, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
+        assert _calls(text, *rows16) and not any(_calls(text, name) for name in rows64)
     # One row runs the SIMT kernel down to 1024 outputs; narrower matrices and more rows run the
     # MMA kernels, splitting K (float32 partials summed by XLA) when the row tiles cannot fill the GPU.
-    assert BY_NAME["gemv_split_r1"].target in _export(one_row, S((1, d), jnp.bfloat16), S((576, d), jnp.bfloat16))
-    assert BY_NAME["gemv_split_r8"].target in _export(cute_ops.linear, S((8, d), jnp.bfloat16),
-                                                      S((1536, d), jnp.bfloat16))
-    assert BY_NAME["gemv_r8"].target in _export(cute_ops.linear, S((5, d), jnp.bfloat16),
-                                                S((12288, d), jnp.bfloat16))
+    assert _calls(_export(one_row, S((1, d), jnp.bfloat16), S((576, d), jnp.bfloat16)), "gemv_split_r1")
+    assert _calls(_export(cute_ops.linear, S((8, d), jnp.bfloat16), S((1536, d), jnp.bfloat16)), "gemv_split_r8")
+    assert _calls(_export(cute_ops.linear, S((5, d), jnp.bfloat16), S((12288, d), jnp.bfloat16)), "gemv_r8")
+
+
+def test_moe_block_rows_are_compiled_ones_and_fall_back_to_one_tile():
+    """block_rows must name compiled kernels; shapes 64 rows do not divide run 16-row blocks."""
+    e, m, inter, k = 8, 256, 96, 2
+    args = (S((1, m), jnp.bfloat16), S((1, k), jnp.int32), S((1, k), jnp.float32), *_packed_experts(e, m, inter))
+    text = _export(_experts, *args)                                     # I = 96: not a multiple of 64
+    assert _calls(text, "moe_gate_up_t1", "moe_down_t1")
+    assert not _calls(text, "moe_gate_up_t1_rows64") and not _calls(text, "moe_down_t1_rows64")
+    with pytest.raises(ValueError, match=r"block_rows=24: compiled MoE kernels take \(16, 64\)"):
+        _export(functools.partial(_experts, block_rows=24), *args)
 
 
 @pytest.mark.parametrize("args,message", [

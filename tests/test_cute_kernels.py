@@ -65,9 +65,11 @@ def test_gemv_split_partials(rows, n, k, splits):
 @pytest.mark.parametrize("n,top_k,e,m,inter,scale_exp", [
     (1, 4, 16, 32, 32, -7), (3, 8, 32, 256, 96, -7), (1, 16, 448, 3584, 3072, -7),
     (5, 16, 64, 3584, 3072, -7), (8, 16, 448, 3584, 3072, -7), (13, 4, 16, 256, 96, -7),   # 13: chunks of <= 8
+    (3, 8, 32, 256, 128, -7),      # 64-row blocks with idle warps (8 scale groups: 2 chunks for 4 warps)
     (2, 4, 16, 512, 160, 2)])      # scale bytes 128..130 (bf16 2^(s-1) would overflow)
 @pytest.mark.parametrize("act", ["situ", "silu"])
-def test_moe_experts(n, top_k, e, m, inter, scale_exp, act):
+@pytest.mark.parametrize("block_rows", [16, 64])
+def test_moe_experts(n, top_k, e, m, inter, scale_exp, act, block_rows):
     from cute_bridge import ops as cute_ops
     ks = jax.random.split(jax.random.key(n * 7 + e), 6)
     p1, s1 = mxfp4.random_packed(ks[0], (e, inter, m), scale_exp)
@@ -79,19 +81,20 @@ def test_moe_experts(n, top_k, e, m, inter, scale_exp, act):
     z = jax.random.normal(ks[5], (n, m), jnp.bfloat16)
     kw = dict(act=act, beta=4.0, linear_beta=25.0)
     _poison((n, m), jnp.bfloat16)
-    out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw))(z, ids, w, experts)
+    out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw, block_rows=block_rows))(z, ids, w, experts)
     assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
 
 
 @gpu
 @pytest.mark.parametrize("ids", [[[4, 4, 4, 4]] * 6,                                  # every slot on one expert
                                  [[5, 1, 7, 2], [1, 5, 0, 3], [2, 2, 6, 5], [9, 9, 9, 1]]])  # repeats in a token
-def test_moe_experts_shared_and_repeated_ids(ids):
+@pytest.mark.parametrize("block_rows", [16, 64])
+def test_moe_experts_shared_and_repeated_ids(ids, block_rows):
     """Grouping by expert: an expert chosen by many tokens, or twice by one token, matches the
     reference (a repeated id counts with its summed weight)."""
     from cute_bridge import ops as cute_ops
     ids = jnp.asarray(ids, jnp.int32)
-    e, m, inter = 16, 256, 96
+    e, m, inter = 16, 256, 128          # 64 divides M and I: block_rows=64 runs the 64-row kernels
     ks = jax.random.split(jax.random.key(5), 6)
     (p1, s1), (p3, s3) = (mxfp4.random_packed(kk, (e, inter, m)) for kk in ks[:2])
     p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter))
@@ -100,7 +103,7 @@ def test_moe_experts_shared_and_repeated_ids(ids):
     z = jax.random.normal(ks[4], (ids.shape[0], m), jnp.bfloat16)
     kw = dict(act="situ", beta=4.0, linear_beta=25.0)
     _poison(z.shape, jnp.bfloat16)
-    out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw))(z, ids, w, experts)
+    out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw, block_rows=block_rows))(z, ids, w, experts)
     assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
 
 

@@ -14,20 +14,26 @@ column's copy reads nothing and zero-fills: reading all 8 rows for every block m
 weights' bytes and ran 12x slower, session 9). Padding grid rows (experts[u] >= E) return at
 once. H200, session 9, K3 E=448: batch 1 101.4 us, batch 8 640.2 us (70.8% of the copy rate;
 per slot, before: 659 us est.), and the k3-h200 batch-8 step 13.40 -> 10.98 ms (the model's
-routing shares experts more than the benchmark's random one).
+routing shares experts more than the benchmark's random one). Session 11, 64 rows per block:
+batch 1 94.1 us (69.4%), batch 8 551.7 us (82.1%); the batch-8 step 11.16 -> 10.27 ms.
 
-Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 output
-rows of expert experts[u] (grid row u), its four warps split the input dimension in chunks of four 32-value
-scale groups, and each warp multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate): the
-decoded weight rows are the A operand, the token columns' activation rows the B operand
-(T = 1: all 8 columns the same row, column 0 stored; T = 8: column t = token t, each stored
-where its slot is named). Lane (g = lane / 4, q = lane % 4) takes group q of a chunk in
-rows g and g + 8: 16 bytes of codes (4 words of 8 codes) and one scale byte per row.
+Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
+rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
+its four warps split the input dimension in chunks of four 32-value scale groups, and each warp
+multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate) per 16-row tile: the decoded weight
+rows are the A operand, the token columns' activation rows the B operand (T = 1: all 8 columns
+the same row, column 0 stored; T = 8: column t = token t, each stored where its slot is named).
+Lane (g = lane / 4, q = lane % 4) takes group q of a chunk in rows g + 8 i (i < 2R): 16 bytes
+of codes (4 words of 8 codes) and one scale byte per row. The R tiles share the chunk's
+activations: one staging and one shared-memory read feed R MMAs. At T = 8 the activations are
+2 KB per 1 KB of one tile's codes, so sharing them pays most there (H200, K3 E=448, 16 / 32 /
+64 / 128 rows: batch 8 640 / 554 / 552 / 643 us, batch 1 101 / 99 / 94 / 109 us; 128 rows:
+registers and shared memory cost occupancy).
 
 Streaming: each warp has a STAGES-deep ring of its own in shared memory. Per chunk every lane
-issues `cp.async` of its 2 x 16 bytes of codes and its share of the chunk's activations (T = 1:
+issues `cp.async` of its 2R x 16 bytes of codes and its share of the chunk's activations (T = 1:
 8 of one row's 256 bytes; T = 8: one 64-byte group of one row, as 4 x 16),
-and loads its two scale bytes into registers, STAGES chunks ahead of the decode; the decode
+and loads its 2R scale bytes into registers, STAGES chunks ahead of the decode; the decode
 waits for the chunk's group (`cp.async.wait_group`), reads the slot back (16-byte `ld.shared`,
 the x groups 80 bytes apart and the rows 320, so the lanes of each 8-lane phase hit distinct
 banks) and refills it. Warp syncs
@@ -49,8 +55,9 @@ hold 2^126 beside the scale). Exact for scale bytes EXACT_SCALES = [59, 192] (we
 2^65 per group; random and real MXFP4 weights sit near 2^-7) and activations below 2^64, as the
 Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the reference. Versus
 the exact-everywhere two-fma decode (by 2^126, then by 2^(s-127): `decode_word_ptx(False)`),
-3% faster at batch 1 and 4% at batch 8 (session 7). In gate_up, words alternate between two C
-fragments (two independent MMA chains, summed at the end).
+3% faster at batch 1 and 4% at batch 8 (session 7). In gate_up's 16-row blocks, words alternate
+between two C fragments (two independent MMA chains, summed at the end); more row tiles are
+independent chains already.
 
 The decoded pairs hold input columns (8k + a, 8k + a + 4) of word k, so the activations come in
 that order: `cute_bridge.ops.permute_x` regroups each 8 columns (0, 4, 1, 5, 2, 6, 3, 7) in XLA
@@ -79,10 +86,11 @@ NEG_ZERO2 = 0x80008000  # fma addend: x * s + (-0) = x * s exactly, signed zeros
 FACTOR_BIAS = mxfp4.DECODE_FACTOR_BIAS    # bf16 exponent field of the factor = scale byte + FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3jax.mxfp4)
 STAGES = 2              # chunks per warp in flight ahead of the decode
-X_OFF = 1024            # per warp and stage: codes of rows g, g + 8 (512 B each), then the activations:
+CODE_ROW = 512          # per warp and stage: codes of rows g + 8 i (512 B each), then the activations:
 X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
-# Independent MMA accumulator chains per warp (session 7, H200: two made gate_up 2.6% faster and
-# down 9% slower at batch 1, 2.6% / 7% at batch 8).
+# Independent MMA accumulator chains per warp and row tile (session 7, H200, 16-row blocks: two
+# made gate_up 2.6% faster and down 9% slower at batch 1, 2.6% / 7% at batch 8). A 32-row block's
+# two row tiles are two chains already.
 GATE_UP_ACCS, DOWN_ACCS = 2, 1
 
 
@@ -108,41 +116,46 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue(slot, c, lane, q, groups, cols, top, bot, xsrc, named, tokens, s_top, s_bot):
-    """Chunk c's codes (rows g, g + 8) and activations (this lane's share; xsrc is its token row's
-    address; T = 8: read only if `named`, else zeros are stored: an unnamed column is never stored,
-    and skipping its row keeps the activation traffic to the named columns) into ring `slot` by
-    cp.async; returns the two scale bytes. Groups past the end are clamped (their factor is
-    zeroed by the caller)."""
+def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows):
+    """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) and activations (this lane's
+    share; xsrc is its token row's address; T = 8: read only if `named`, else zeros are stored: an
+    unnamed column is never stored, and skipping its row keeps the activation traffic to the named
+    columns) into ring `slot` by cp.async; returns the rows' scale bytes (at scale_rows[i]).
+    Groups past the end are clamped (their factor is zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
-    _cp_async(slot + lane * 16, top + cutlass.Int64(grp * 16), 16)
-    _cp_async(slot + 512 + lane * 16, bot + cutlass.Int64(grp * 16), 16)
+    for i, row in enumerate(code_rows):
+        _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
+    x_off = len(code_rows) * CODE_ROW
     if cutlass.const_expr(tokens == 1):
-        x_dst = X_OFF + (lane // 8) * 80 + (lane % 8) * 8
+        x_dst = x_off + (lane // 8) * 80 + (lane % 8) * 8
         _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8, cache="ca")
     else:
         src = xsrc + cutlass.Int64(grp * (GROUP * 2))
         read = cutlass.Int32(named) * 16
         for i in range(4):
-            _cp_async(slot + X_OFF + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
+            _cp_async(slot + x_off + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
                       cache="ca", src_bytes=read)
-    return _ldg_u8(s_top + cutlass.Int64(grp)), _ldg_u8(s_bot + cutlass.Int64(grp))
+    return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
 
 
 def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
-    """acc += the chunk's 16 rows x 4 groups (2 MMAs per word; words alternate between the accs
-    C fragments acc[4a:4a+4])."""
-    d = [[acc[4 * a + i] for i in range(4)] for a in range(accs)]
+    """acc += the chunk's 16-row tiles x 4 groups: row tile t = rows g + 16 t, g + 16 t + 8 (codes
+    [2t], [2t + 1]); 2 MMAs per word, each reading the shared activations xs; tile t's words
+    alternate between its accs C fragments acc[4 (t accs + a):][:4]."""
+    tiles = len(codes) // 2
+    d = [[[acc[4 * (t * accs + a) + i] for i in range(4)] for a in range(accs)] for t in range(tiles)]
     for k in range(4):
-        top = _decode_word(codes[0][k], factors[0])          # row g
-        bot = _decode_word(codes[1][k], factors[1])          # row g + 8
         xw = xs[k]
         a = k % accs
-        d[a] = mma_bf16_16816((top[0], bot[0], top[1], bot[1]), (xw[0], xw[1]), d[a])
-        d[a] = mma_bf16_16816((top[2], bot[2], top[3], bot[3]), (xw[2], xw[3]), d[a])
-    for a in range(accs):
-        for i in range(4):
-            acc[4 * a + i] = d[a][i]
+        for t in range(tiles):
+            top = _decode_word(codes[2 * t][k], factors[2 * t])              # row g + 16 t
+            bot = _decode_word(codes[2 * t + 1][k], factors[2 * t + 1])      # row g + 16 t + 8
+            d[t][a] = mma_bf16_16816((top[0], bot[0], top[1], bot[1]), (xw[0], xw[1]), d[t][a])
+            d[t][a] = mma_bf16_16816((top[2], bot[2], top[3], bot[3]), (xw[2], xw[3]), d[t][a])
+    for t in range(tiles):
+        for a in range(accs):
+            for i in range(4):
+                acc[4 * (t * accs + a) + i] = d[t][a][i]
 
 
 @dsl_user_op
@@ -176,12 +189,13 @@ def _ldg_u8(addr, *, loc=None, ip=None):
 
 @cute.jit
 def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
-                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr):
-    """acc (accs C fragments, summed into acc[0:4] at the end) += this warp's chunks of
-    dequant(w[e, row0:row0+16]) @ x[rows of the token columns].T for int32 code words at global
-    address wb ([E, rows, groups * 4]) with scale bytes at sb ([E, rows, groups]); x's columns in
-    decode order, times 2^MOE_X_EXP. xrow: the x row this lane stages (tokens = 1: the one row;
-    8: token column lane // 4's row, copied if `named`)."""
+                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr):
+    """acc (per row tile t, accs C fragments; summed into the tile's first at the end) += this
+    warp's chunks of dequant(w[e, row0:row0 + 16 row_tiles]) @ x[rows of the token columns].T for
+    int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb ([E,
+    rows, groups]); x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane
+    stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`). The row
+    tiles share each chunk's activations: one staging and one shared-memory read per chunk."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
@@ -190,22 +204,26 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
     cols = x.shape[1]
     chunks = (groups + CHUNK_GROUPS - 1) // CHUNK_GROUPS
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
+    code_rows = 2 * row_tiles                               # rows g + 8 i of this lane, i < code_rows
+    x_off = code_rows * CODE_ROW
     smem = cutlass.memory.SmemAllocator()
-    stage_bytes = X_OFF + X_ROW * tokens
+    stage_bytes = x_off + X_ROW * tokens
     ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
     top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
-    bot = top + cutlass.Int64(8 * groups * 16)
     s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
-    s_bot = s_top + cutlass.Int64(8 * groups)
+    w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
+    s_rows = [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)]
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
-    x_read = X_OFF + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
-    raw = cute.make_rmem_tensor((2 * STAGES,), cutlass.Int32)   # scale bytes of rows g, g + 8 per slot
+    x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
+    raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
 
-    src = (lane, q, groups, cols, top, bot, xsrc, named, tokens, s_top, s_bot)
+    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
-            raw[2 * u], raw[2 * u + 1] = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
+            scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
+            for h in cutlass.range_constexpr(code_rows):
+                raw[code_rows * u + h] = scales[h]
         cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
@@ -215,20 +233,23 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
                 cute.arch.cp_async_wait_group(STAGES - 1)
                 cute.arch.sync_warp()                      # every lane's copies of slot u visible
                 slot = ring + u * stage_bytes
-                codes = [_lds128(slot + lane * 16), _lds128(slot + 512 + lane * 16)]
+                codes = [_lds128(slot + i * CODE_ROW + lane * 16) for i in range(code_rows)]
                 xs = [_lds128(slot + x_read + k * 16) for k in range(4)]
                 c = warp + j * WARPS
                 valid = cutlass.Int32(c * CHUNK_GROUPS + q < groups)
-                factors = [(raw[2 * u + h] + FACTOR_BIAS) * (valid * cutlass.Int32(raw[2 * u + h] != 0)) * 0x00800080
-                           for h in range(2)]
+                factors = [(raw[code_rows * u + h] + FACTOR_BIAS) * (valid * cutlass.Int32(raw[code_rows * u + h] != 0))
+                           * 0x00800080 for h in range(code_rows)]
                 cute.arch.sync_warp()                      # slot u read by every lane: refill it
                 if j + STAGES < count:
-                    raw[2 * u], raw[2 * u + 1] = _issue(slot, c + STAGES * WARPS, *src)
+                    scales = _issue(slot, c + STAGES * WARPS, *src)
+                    for h in cutlass.range_constexpr(code_rows):
+                        raw[code_rows * u + h] = scales[h]
                 cute.arch.cp_async_commit_group()
                 _mma_chunk(codes, factors, xs, acc, accs)
     if cutlass.const_expr(accs == 2):
-        for i in cutlass.range_constexpr(4):
-            acc[i] = acc[i] + acc[4 + i]
+        for t in cutlass.range_constexpr(row_tiles):
+            for i in cutlass.range_constexpr(4):
+                acc[8 * t + i] = acc[8 * t + i] + acc[8 * t + 4 + i]
 
 
 @cute.jit
@@ -244,10 +265,11 @@ def _block_sum(acc: cute.Tensor, i: cutlass.Constexpr):
 
 
 @cute.jit
-def _column_sums(acc: cute.Tensor, tokens: cutlass.Constexpr):
-    """The four warps' C fragments summed (valid in warp 0): element i holds row g + 8 (i // 2),
-    token column 2q + i % 2 (T = 1: only the column-0 elements 0 and 2)."""
-    return [_block_sum(acc, i) if tokens > 1 or i % 2 == 0 else None for i in range(4)]
+def _column_sums(acc: cute.Tensor, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr, accs: cutlass.Constexpr):
+    """The four warps' C fragments summed (valid in warp 0): element 4 t + i holds row
+    g + 16 t + 8 (i // 2), token column 2q + i % 2 (T = 1: only the column-0 elements i = 0, 2)."""
+    return [_block_sum(acc, 4 * accs * t + i) if tokens > 1 or i % 2 == 0 else None
+            for t in range(row_tiles) for i in range(4)]
 
 
 @cute.jit
@@ -276,56 +298,73 @@ def _token_row(slots: cute.Tensor, u, tokens: cutlass.Constexpr, div):
 
 @cute.kernel
 def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
-                    w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor):
+                    w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
+                    row_tiles: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
     e = experts[u]
     if e < w1.shape[0]:
         tokens = slots.shape[1]
-        tiles = w1.shape[1] // TILE
+        accs = GATE_UP_ACCS if cutlass.const_expr(row_tiles == 1) else 1
+        tiles = w1.shape[1] // (TILE * row_tiles)
         is_up = bidx >= tiles
-        row0 = (bidx - tiles * cutlass.Int32(is_up)) * TILE
-        acc = cute.make_rmem_tensor((4 * GATE_UP_ACCS,), cutlass.Float32)
+        row0 = (bidx - tiles * cutlass.Int32(is_up)) * (TILE * row_tiles)
+        acc = cute.make_rmem_tensor((4 * accs * row_tiles,), cutlass.Float32)
         acc.fill(0.0)
         # One copy of the loop for both matrices (instruction cache): select the base addresses.
         up_i = cutlass.Int64(is_up)
         wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
         sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
         xrow, named = _token_row(slots, u, tokens, gate.shape[0] // z.shape[0])   # slot // k = token
-        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, GATE_UP_ACCS, tokens)
-        total = _column_sums(acc, tokens)
+        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles)
+        total = _column_sums(acc, tokens, row_tiles, accs)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
             slot = _slot_of(slots, u, j)
             if slot >= 0:
-                if is_up:
-                    up[slot, row] = total[j].to(up.element_type)
-                    up[slot, row + 8] = total[2 + j].to(up.element_type)
-                else:
-                    gate[slot, row] = total[j].to(gate.element_type)
-                    gate[slot, row + 8] = total[2 + j].to(gate.element_type)
+                for t in cutlass.range_constexpr(row_tiles):
+                    for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
+                        v = total[4 * t + 2 * h + j]
+                        if is_up:
+                            up[slot, row + 16 * t + 8 * h] = v.to(up.element_type)
+                        else:
+                            gate[slot, row + 16 * t + 8 * h] = v.to(gate.element_type)
 
 
 @cute.kernel
 def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
-                 w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor):
+                 w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, row_tiles: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
     e = experts[u]
     if e < w2.shape[0]:
         tokens = slots.shape[1]
-        row0 = bidx * TILE
-        acc = cute.make_rmem_tensor((4 * DOWN_ACCS,), cutlass.Float32)
+        row0 = bidx * (TILE * row_tiles)
+        acc = cute.make_rmem_tensor((4 * DOWN_ACCS * row_tiles,), cutlass.Float32)
         acc.fill(0.0)
         xrow, named = _token_row(slots, u, tokens, 1)
         _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, e, row0, xrow, named,
-                     acc, DOWN_ACCS, tokens)
-        total = _column_sums(acc, tokens)
+                     acc, DOWN_ACCS, tokens, row_tiles)
+        total = _column_sums(acc, tokens, row_tiles, DOWN_ACCS)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
             slot = _slot_of(slots, u, j)
             if slot >= 0:
-                # The reference rounds each expert's output to the activation dtype before combining.
-                part[slot, row] = weights[slot] * total[j].to(hid.element_type).to(cutlass.Float32)
-                part[slot, row + 8] = weights[slot] * total[2 + j].to(hid.element_type).to(cutlass.Float32)
+                for t in cutlass.range_constexpr(row_tiles):
+                    for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
+                        # The reference rounds each expert's output to the activation dtype before combining.
+                        v = total[4 * t + 2 * h + j].to(hid.element_type).to(cutlass.Float32)
+                        part[slot, row + 16 * t + 8 * h] = weights[slot] * v
+
+
+def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, rows: int):
+    grid = (2 * (w1.shape[1] // rows), experts.shape[0], 1)
+    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up, rows // TILE).launch(
+        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
+
+
+def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int):
+    grid = (w2.shape[1] // rows, experts.shape[0], 1)
+    _down_kernel(hid, experts, slots, weights, w2, s2, part, rows // TILE).launch(
+        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
 @cute.jit
@@ -333,10 +372,8 @@ def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.T
             w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
     """z [N, M] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
     int32 (T static, one of kernel_set.MOE_TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
-    [S, I] bf16 at the named slots (I % 16 == 0; S = N * k)."""
-    grid = (2 * (w1.shape[1] // TILE), experts.shape[0], 1)
-    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up).launch(
-        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
+    [S, I] bf16 at the named slots (I % 16 == 0; S = N * k). 16 rows per block."""
+    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, TILE)
 
 
 @cute.jit
@@ -344,7 +381,19 @@ def down(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cu
          s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
     """hid [S, I] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
     int32, weights [S] f32, w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 at the
-    named slots (M % 16 == 0)."""
-    grid = (w2.shape[1] // TILE, experts.shape[0], 1)
-    _down_kernel(hid, experts, slots, weights, w2, s2, part).launch(
-        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
+    named slots (M % 16 == 0). 16 rows per block."""
+    _launch_down(hid, experts, slots, weights, w2, s2, part, stream, TILE)
+
+
+@cute.jit
+def gate_up_rows64(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
+                   w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
+    """`gate_up` with 64 rows per block: four row tiles share each activation read (I % 64 == 0)."""
+    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, 4 * TILE)
+
+
+@cute.jit
+def down_rows64(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
+                s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
+    """`down` with 64 rows per block (M % 64 == 0)."""
+    _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE)
