@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -39,4 +40,15 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, payload) -> None:
-    write_text(path, json.dumps(payload, indent=1))
+    """`payload` as JSON; NaN and infinities (not JSON) are written as null."""
+    write_text(path, json.dumps(_finite(payload), indent=1, allow_nan=False))
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

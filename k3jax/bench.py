@@ -46,14 +46,17 @@ import re
 import statistics
 import sys
 import time
+import typing
 
 import jax
 import jax.numpy as jnp
 
-from k3jax import atomic, costs
+from k3jax import atomic, costs, sharding
 from k3jax.backend import BACKENDS, REFERENCES
-from k3jax.cli import check_preset, int_list, known, run_cli
+from k3jax.cli import Parser, at_least, check_preset, check_writable, int_list, known, run_cli
+from k3jax.config import ExpertFormat
 from k3jax.moe_parallel import VARIANTS
+from k3jax.weights import parse_dtype
 
 L2_BYTES = 60 << 20
 ROTATE_BYTES = 4 * L2_BYTES     # the rotation's working set: several times the L2
@@ -266,7 +269,6 @@ def _random_state(cfg, batch: int, max_len: int, context: int, key, dtype):
     """A DecodeState at lengths = context with random contents. Each leaf is drawn for one
     sequence and broadcast over the batch (timing does not depend on the values, and this keeps
     the float32 temporary to one sequence's share)."""
-    from k3jax import sharding
     from k3jax.cache import DecodeState, init_state
     shapes = jax.eval_shape(lambda: init_state(cfg, 1, max_len, dtype))
     leaves, treedef = jax.tree.flatten(shapes.layers)
@@ -298,7 +300,6 @@ def compile_decode_step(model, batch: int, context: int, steps: int, seed: int =
     """
     from flax import nnx
 
-    from k3jax import sharding
     from k3jax.generation import SamplingParams, _decode_step
     cfg = model.cfg
     graphdef, params = nnx.split(model)
@@ -423,12 +424,13 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
     def past_deadline() -> bool:
         return deadline is not None and time.time() > deadline
 
-    def skip_format(base: dict, reason: str) -> None:
-        """One skipped row per variant and configuration of an expert format that does not run."""
+    def skip_format(base: dict, reason: str, status: str = "skipped") -> None:
+        """One row (`status`: skipped or error) per variant and configuration of an expert format
+        that does not run."""
         for variant in ep_variants:
             for backend, gran, ab in configs:
                 add({**base, "ep_variant": variant, "backend": backend, "granularity": ablated(gran, ab), "batch": None,
-                     "context": None, "status": "skipped", "reason": reason}, len(batches) * len(contexts))
+                     "context": None, "status": status, "reason": reason}, len(batches) * len(contexts))
 
     for fmt in expert_formats:
         base = {"preset": os.path.basename(preset.rstrip("/")), "device": dev.device_kind, "expert_format": fmt,
@@ -440,8 +442,8 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
         try:
             model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
                                           **({"expert_format": fmt} if fmt else {}))
-        except (MemoryError, ValueError) as e:
-            skip_format(base, f"model not built: {e}")
+        except (MemoryError, ValueError) as e:      # too big to hold: skipped; bad input: an error
+            skip_format(base, f"model not built: {e}", "skipped" if isinstance(e, MemoryError) else "error")
             continue
         cfg = model.cfg
         base["expert_format"] = cfg.expert_format
@@ -494,7 +496,6 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
 def point_unfit(model, batch: int, context: int, steps: int) -> str | None:
     """Why `model` cannot run `steps` decode steps of `batch` sequences past `context` tokens (a
     context beyond max_position_embeddings, or a state that would not fit beside the weights), or None."""
-    from k3jax import sharding
     from k3jax.weights import OutOfMemoryError, check_fits
     cfg, max_len = model.cfg, _max_len(context, steps)
     if max_len > cfg.max_position_embeddings:
@@ -728,7 +729,7 @@ def update_doc(doc: str, block: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3jax.bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m k3jax.bench", description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--model", action="store_true", help="whole-model decode step sweep")
     mode.add_argument("--ops", nargs="*", metavar="NAME", help="per-op benchmark (default: every op with a kernel)")
@@ -785,17 +786,28 @@ def _main(a: argparse.Namespace, command: str) -> int:
         print(block)
         return 0
     backends = known(a.backends.split(","), BACKENDS, "backend(s)") if a.backends else None
+    at_least("--steps", a.steps, 1)
+    at_least("--warmup", a.warmup, 0)
+    if a.budget_s is not None:
+        at_least("--budget-s", a.budget_s, 0)      # 0: every point a skipped row
+    if a.out:
+        check_writable(a.out, "--out")
     if jax.default_backend() != "gpu":
         print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
               file=sys.stderr)
     if a.model:
         grans = known(a.granularities.split(","), GRANULARITIES, "granularity")
         check_preset(a.preset)
+        parse_dtype(a.dtype)
+        formats = (known(a.expert_formats.split(","), typing.get_args(ExpertFormat), "--expert-formats")
+                   if a.expert_formats else [None])
+        if a.mesh:
+            sharding.make_mesh(a.mesh)          # a bad spec, or more devices than there are
         batches, contexts = int_list(a.batches or DEFAULT_BATCHES, "--batches"), int_list(a.contexts, "--contexts")
         out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
         save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
         result = bench_model(a.preset, backends or list(BACKENDS), grans, batches, contexts,
-                             expert_formats=a.expert_formats.split(",") if a.expert_formats else [None],
+                             expert_formats=formats,
                              dtype=a.dtype, mesh=a.mesh,
                              ep_variants=known(a.ep_variants.split(","), ("auto", *VARIANTS), "--ep-variants"),
                              ablations=[parse_ablation(x) for x in a.ablate],

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import mxfp4
+from k3jax.atomic import write_text
 from k3jax.config import K3Config
 from k3jax.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_file
 
@@ -178,6 +179,13 @@ def _check_dtype(slot: Slot, name: str, dtype: str) -> None:
 
 
 # ------------------------------------------------------------------------------- directory
+def checkpoint_config(path: str, hf_config: dict | None = None, **config_changes) -> K3Config:
+    """The K3Config of checkpoint directory `path` (its config.json unless `hf_config` is given),
+    named after the directory, with `config_changes` applied."""
+    cfg = K3Config.from_hf(hf_config or read_hf_config(path), name=os.path.basename(os.path.normpath(path)))
+    return cfg.replace(**config_changes) if config_changes else cfg
+
+
 def read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -190,21 +198,33 @@ def read_hf_config(path: str) -> dict:
 
 
 class TensorIndex:
-    """Name -> (file, SafetensorsFile) for a checkpoint directory, from the index or the files."""
+    """Name -> (file, SafetensorsFile) for a checkpoint directory, from the index or the files.
+
+    With an index, every shard's header is read too: `unindexed` holds {name: file} of tensors a
+    shard holds but the index omits, `unnamed_files` the *.safetensors files it never names
+    (`_validate` reports both, as it reports unexpected tensors)."""
 
     def __init__(self, path: str):
         self.path = path
         self._files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, str] = {}
+        self.unindexed: dict[str, str] = {}
+        self.unnamed_files: list[str] = []
         index_path = os.path.join(path, INDEX_FILE)
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if os.path.isfile(index_path):
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: weight_map must be an object {{tensor: file}}, "
+                                      f"got {type(weight_map).__name__}")
             by_file: dict[str, list[str]] = {}
             for name, fname in weight_map.items():
+                if not isinstance(fname, str):
+                    raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name, got {fname!r}")
                 by_file.setdefault(fname, []).append(name)
             for fname, names in sorted(by_file.items()):
                 if not os.path.isfile(os.path.join(path, fname)):
@@ -214,11 +234,11 @@ class TensorIndex:
                 absent = [n for n in names if n not in st]
                 if absent:
                     raise CheckpointError(f"{index_path}: says {len(absent)} tensor(s) are in {fname!r} but that "
-                                          f"file does not hold them, e.g. {absent[0]!r}")
-                for n in names:
-                    self.where[n] = fname
+                                          f"file does not hold them:{_listing(absent)}")
+                self.where.update(dict.fromkeys(names, fname))
+                self.unindexed.update({n: fname for n in st.keys() if weight_map.get(n) != fname})
+            self.unnamed_files = [f for f in files if f not in by_file]
         else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_FILE}")
             if len(files) > 1:
@@ -286,9 +306,7 @@ def load_hf_checkpoint(path: str, *, dtype=jnp.bfloat16, sharding: ShardingSpec 
     from k3jax.weights import check_fits, parse_dtype
     dtype = parse_dtype(dtype)
     hf_config = read_hf_config(path)
-    cfg = K3Config.from_hf(hf_config, name=os.path.basename(os.path.normpath(path)))
-    if config_changes:
-        cfg = cfg.replace(**config_changes)
+    cfg = checkpoint_config(path, hf_config, **config_changes)
     check_fits(cfg, dtype, mesh=mesh)
     prefix = hf_prefix(hf_config)
     index = TensorIndex(path)
@@ -362,6 +380,12 @@ def _validate(path: str, cfg: K3Config, slots: list[Slot], index: TensorIndex, p
             problems.append(f"{len(missing)} missing tensor(s):{_listing(missing)}")
         if unexpected:
             problems.append(f"{len(unexpected)} unexpected tensor(s):{_listing(unexpected)}")
+    if index.unindexed:
+        problems.append(f"{len(index.unindexed)} tensor(s) in shards but not in {INDEX_FILE} (or mapped to "
+                        f"another shard):" + _listing(f"{n} (in {f})" for n, f in index.unindexed.items()))
+    if index.unnamed_files:
+        problems.append(f"{len(index.unnamed_files)} *.safetensors file(s) that {INDEX_FILE} does not name:"
+                        + _listing(index.unnamed_files))
     for name in sorted(set(expected) & present):
         slot = expected[name]
         try:
@@ -439,11 +463,10 @@ def write_hf_checkpoint(out_dir: str, hf_config: dict, entries: list[Entry], *,
         for fname, shard in zip(names, shards):
             total += write_file(os.path.join(tmp, fname), shard, {"format": "pt"})
             weight_map.update({e[0]: fname for e in shard})
-        if len(shards) > 1:
-            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
+        if len(shards) > 1:  # write_text fsyncs, as write_file does the shards
+            write_text(os.path.join(tmp, INDEX_FILE),
+                       json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_text(os.path.join(tmp, "config.json"), json.dumps(hf_config, indent=2))
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -452,14 +475,22 @@ def write_hf_checkpoint(out_dir: str, hf_config: dict, entries: list[Entry], *,
 
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
-    """Renames a finished temporary directory into place (moving an old one aside first)."""
-    old = None
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rename(out_dir, os.path.join(old, "d"))
-    os.rename(tmp, out_dir)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    """Renames a finished temporary directory into place. An old one is moved aside first and
+    moved back if that rename fails, so a failed overwrite keeps the old checkpoint."""
+    if not os.path.exists(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+    aside = os.path.join(old, "d")
+    try:
+        os.rename(out_dir, aside)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if os.path.exists(aside):
+            os.rename(aside, out_dir)
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def model_entries(model, prefix: str) -> list[Entry]:
@@ -478,8 +509,20 @@ def model_entries(model, prefix: str) -> list[Entry]:
     return entries
 
 
+def _check_describes(model, hf_config: dict, out_dir: str, expert_format=None) -> None:
+    """CheckpointError listing the fields where `hf_config` (to be saved beside the weights) does
+    not describe `model.cfg`: otherwise the next load fails, or builds a different model."""
+    cfg = K3Config.from_hf(hf_config, name=model.cfg.name, expert_format=expert_format)
+    diff = [f"{f.name}: model {getattr(model.cfg, f.name)!r}, hf_config {getattr(cfg, f.name)!r}"
+            for f in dataclasses.fields(cfg) if getattr(model.cfg, f.name) != getattr(cfg, f.name)]
+    if diff:
+        raise CheckpointError(f"{out_dir}: hf_config does not describe the model being saved:{_listing(diff)}")
+
+
 def save_hf_checkpoint(model, out_dir: str, hf_config: dict, **kw) -> str:
-    """Writes a model in the Hugging Face layout of `hf_config` (K3 wrapper or kimi_linear)."""
+    """Writes a model in the Hugging Face layout of `hf_config` (K3 wrapper or kimi_linear), which
+    must describe `model.cfg` (its quantization_config included)."""
+    _check_describes(model, hf_config, out_dir)
     return write_hf_checkpoint(out_dir, hf_config, model_entries(model, hf_prefix(hf_config)), **kw)
 
 
@@ -567,8 +610,10 @@ def write_synthetic_checkpoint(out_dir: str, preset: str = "k3-tiny", seed: int 
 
 # -------------------------------------------------------------------------------- orbax
 def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False) -> str:
-    """Saves the model state with orbax plus its config.json; atomic (temporary dir + rename)."""
+    """Saves the model state with orbax plus its config.json (which must describe `model.cfg`, the
+    expert format aside: k3jax.json records it); atomic (temporary dir + rename)."""
     import orbax.checkpoint as ocp
+    _check_describes(model, hf_config, out_dir, model.cfg.expert_format)
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True to replace it")
@@ -581,8 +626,7 @@ def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False)
             ckptr.wait_until_finished()
         meta = {"hf_config": hf_config, "dtype": jnp.dtype(model.dtype).name,
                 "expert_format": model.cfg.expert_format}
-        with open(os.path.join(tmp, "k3jax.json"), "w") as f:
-            json.dump(meta, f, indent=2)
+        write_text(os.path.join(tmp, "k3jax.json"), json.dumps(meta, indent=2))
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -597,11 +641,22 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
     meta_path = os.path.join(path, "k3jax.json")
     if not os.path.isfile(meta_path) or not os.path.isdir(os.path.join(path, "state")):
         raise CheckpointError(f"{path}: not a complete k3jax orbax checkpoint (needs k3jax.json and state/)")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: not a JSON object")
+    lacking = [k for k in ("hf_config", "dtype", "expert_format") if k not in meta]
+    if lacking:
+        raise CheckpointError(f"{meta_path}: missing key(s) {lacking}")
+    try:
+        dtype = jnp.dtype(meta["dtype"])
+    except TypeError:
+        raise CheckpointError(f"{meta_path}: dtype {meta['dtype']!r} is not a dtype") from None
     cfg = K3Config.from_hf(meta["hf_config"], name=os.path.basename(os.path.normpath(path)),
                            expert_format=meta["expert_format"])
-    dtype = jnp.dtype(meta["dtype"])
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     for p, var in flat:
@@ -609,5 +664,9 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=_sharding_for(sharding, p, v.shape, v.dtype)))
     target = nnx.from_flat_state(flat)
     with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(os.path.join(os.path.abspath(path), "state"), target)
+        try:
+            state = ckptr.restore(os.path.join(os.path.abspath(path), "state"), target)
+        except ValueError as e:  # orbax: shape or tree-structure mismatch with the abstract model
+            raise CheckpointError(f"{path}: the stored arrays in state/ do not match its k3jax.json config "
+                                  f"({cfg.num_hidden_layers} layers, experts {cfg.expert_format}): {e}") from None
     return nnx.merge(graphdef, state), meta["hf_config"]

@@ -1,14 +1,27 @@
 """What the command-line tools share: list flags checked up front and one error path for bad input.
 
-A tool's `main` runs its work through `run_cli`, so a bad preset, shape, file or memory estimate
-ends as one `python -m k3jax.<tool>: error: ...` line and exit status 2, never a traceback.
+A tool parses its flags with `Parser` and runs its work through `run_cli`, so a bad flag, preset,
+shape, file or memory estimate ends as one `k3jax.<tool>: error: ...` line and exit status 2,
+never a traceback or a usage dump.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `k3jax.<tool>: error: <message> (see --help)`, exit status 2.
+    prog is "python -m k3jax.<tool> [...]" (subcommand parsers inherit it)."""
+
+    def error(self, message: str):
+        tool = self.prog.removeprefix("python -m ").split()[0]
+        sys.stderr.write(f"{tool}: error: {message} (see --help)\n")
+        sys.exit(2)
 
 
 def int_list(text: str, flag: str, *, minimum: int = 1) -> list[int]:
@@ -32,10 +45,31 @@ def known(values: list[str], allowed, what: str) -> list[str]:
     return values
 
 
+def at_least(flag: str, value: float, minimum: float) -> None:
+    """ValueError naming `flag` unless `value` is a number >= minimum (NaN and infinities fail)."""
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{flag} must be >= {minimum:g}, got {value}")
+
+
+def check_writable(path: str, flag: str) -> None:
+    """ValueError naming `flag` unless a file can be written at `path`: not a directory, and the
+    nearest existing folder above it is a writable folder (the rest is created on writing).
+    Checked before any work, so a bad path does not throw a finished run away."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: no permission to write in {folder!r}")
+
+
 def run_cli(prog: str, work: Callable[[], int]) -> int:
-    """work() -> exit status; bad input (ConfigError, ValueError, FileNotFoundError,
-    OutOfMemoryError) -> one error line on stderr and status 2. Sets XLA's GPU memory fraction to
-    0.94 unless the environment already sets it."""
+    """work() -> exit status; bad input (ConfigError, ValueError, OSError: a missing or unwritable
+    file, OutOfMemoryError) -> one error line on stderr and status 2. Sets XLA's GPU memory
+    fraction to 0.94 unless the environment already sets it."""
     from k3jax.config import ConfigError
     from k3jax.weights import OutOfMemoryError
     # Before the first device use: big presets fill the GPU, so XLA's allocator may take nearly all
@@ -43,7 +77,7 @@ def run_cli(prog: str, work: Callable[[], int]) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     try:
         return work()
-    except (ConfigError, ValueError, FileNotFoundError, OutOfMemoryError) as e:
+    except (ConfigError, ValueError, OSError, OutOfMemoryError) as e:
         sys.stderr.write(f"{prog}: error: {e}\n")
         return 2
 

@@ -231,11 +231,20 @@ class K3Config:
         def need(cond: bool, field: str, why: str) -> None:
             if not cond:
                 raise ConfigError(f"{field}: {why}")
+        for f in _INT_FIELDS:                   # a float size (64.0) would only fail in jax's shape code
+            v = getattr(self, f)
+            need(v is None and f in _OPTIONAL_INT_FIELDS or isinstance(v, int) and not isinstance(v, bool),
+                 f, f"must be an integer, got {v!r}")
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                   "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim",
-                  "kda_conv_size", "moe_layer_freq"):
-            need(getattr(self, f) > 0, f, f"must be positive, got {getattr(self, f)}")
-        need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
+                  "kda_conv_size", "moe_layer_freq", "max_position_embeddings", *_OPTIONAL_INT_FIELDS):
+            v = getattr(self, f)
+            need(v is None or v > 0, f, f"must be positive, got {v}")
+        for f in ("qk_rope_head_dim", "num_experts", "num_shared_experts", "first_k_dense_replace"):
+            need(getattr(self, f) >= 0, f, f"must be >= 0, got {getattr(self, f)}")
+        if not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            need(self.intermediate_size > 0, "intermediate_size", f"dense MLP layers need a positive width, "
+                 f"got {self.intermediate_size}")
         need(len(self.layer_kinds) == self.num_hidden_layers, "linear_attn_config",
              f"kda_layers + full_attn_layers cover {len(self.layer_kinds)} layers, "
              f"num_hidden_layers is {self.num_hidden_layers}")
@@ -250,6 +259,15 @@ class K3Config:
                  f"{self.num_expert_group} does not divide num_experts {self.num_experts}")
             need(1 <= self.topk_group <= self.num_expert_group, "topk_group",
                  f"must be in 1..num_expert_group ({self.num_expert_group}), got {self.topk_group}")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size",
+                 f"routed experts need a positive width, got {self.moe_intermediate_size}")
+            if self.topk_group < self.num_expert_group:         # group-limited routing (ops.route)
+                group = self.num_experts // self.num_expert_group
+                need(group >= 2, "num_expert_group", f"group-limited routing scores each group by its top "
+                     f"2 experts; {self.num_expert_group} groups of {self.num_experts} experts hold {group}")
+                need(self.num_experts_per_token <= self.topk_group * group, "num_experts_per_token",
+                     f"{self.num_experts_per_token} exceeds the {self.topk_group * group} experts of the "
+                     f"topk_group={self.topk_group} groups a token may use")
         if self.expert_format == "mxfp4":
             for f in ("moe_hidden_size", "moe_intermediate_size"):
                 need(getattr(self, f) % 32 == 0, f, f"must be a multiple of 32 for MXFP4 experts, got {getattr(self, f)}")
@@ -259,6 +277,22 @@ class K3Config:
             need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive")
         if self.hidden_act == "situ":
             need(self.activation_situ_beta > 0, "activation_situ_beta", "must be positive")
+
+
+_OPTIONAL_INT_FIELDS = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads",
+               "kda_head_dim", "kda_conv_size", "num_experts", "num_experts_per_token", "num_shared_experts",
+               "moe_intermediate_size", "first_k_dense_replace", "moe_layer_freq", "num_expert_group",
+               "topk_group", "max_position_embeddings", *_OPTIONAL_INT_FIELDS)
+
+
+def _layer_numbers(la: dict, key: str) -> list[int]:
+    """linear_attn_config[key]: a list of integer layer numbers (1-indexed); ConfigError otherwise."""
+    values = la.get(key, [])
+    if not isinstance(values, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
+        raise ConfigError(f"linear_attn_config.{key}: must be a list of integer layer numbers, got {values!r}")
+    return values
 
 
 def _from_text_config(hf: dict[str, Any], *, name: str, expert_format: ExpertFormat | None) -> K3Config:
@@ -292,8 +326,7 @@ def _from_text_config(hf: dict[str, Any], *, name: str, expert_format: ExpertFor
     if unknown:
         raise ConfigError(f"linear_attn_config: unknown field(s) {unknown}")
     n_layers = req("num_hidden_layers")
-    kda = [int(i) for i in la.get("kda_layers", [])]
-    full = [int(i) for i in la.get("full_attn_layers", [])]
+    kda, full = _layer_numbers(la, "kda_layers"), _layer_numbers(la, "full_attn_layers")
     overlap = set(kda) & set(full)
     if overlap:
         raise ConfigError(f"linear_attn_config: layers {sorted(overlap)} are in both kda_layers and full_attn_layers")
@@ -320,22 +353,22 @@ def _from_text_config(hf: dict[str, Any], *, name: str, expert_format: ExpertFor
         kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=req("qk_nope_head_dim"),
         qk_rope_head_dim=req("qk_rope_head_dim"), v_head_dim=req("v_head_dim"),
         mla_use_output_gate=bool(hf.get("mla_use_output_gate", False)),
-        kda_num_heads=int(la.get("num_heads", heads)), kda_head_dim=int(la.get("head_dim", 128)),
-        kda_conv_size=int(la.get("short_conv_kernel_size", 4)),
+        kda_num_heads=la.get("num_heads", heads), kda_head_dim=la.get("head_dim", 128),
+        kda_conv_size=la.get("short_conv_kernel_size", 4),
         kda_full_rank_gate=bool(la.get("use_full_rank_gate", False)),
         kda_gate_lower_bound=(None if la.get("gate_lower_bound") is None else float(la["gate_lower_bound"])),
         layer_kinds=kinds,
-        num_experts=int(hf.get("num_experts") or 0),
-        num_experts_per_token=int(hf.get("num_experts_per_token") or 0),
-        num_shared_experts=int(hf.get("num_shared_experts") or 0),
-        moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+        num_experts=hf.get("num_experts") or 0,
+        num_experts_per_token=hf.get("num_experts_per_token") or 0,
+        num_shared_experts=hf.get("num_shared_experts") or 0,
+        moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
         routed_expert_hidden_size=hf.get("routed_expert_hidden_size"),
         latent_moe_use_norm=bool(hf.get("latent_moe_use_norm", False)),
-        first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)),
-        moe_layer_freq=int(hf.get("moe_layer_freq", 1)),
+        first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+        moe_layer_freq=hf.get("moe_layer_freq", 1),
         moe_renormalize=bool(hf.get("moe_renormalize", True)),
         moe_router_activation_func=hf.get("moe_router_activation_func", "sigmoid"),
-        num_expert_group=int(hf.get("num_expert_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+        num_expert_group=hf.get("num_expert_group") or 1, topk_group=hf.get("topk_group") or 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         expert_format=expert_format,
         activation_situ_beta=float(hf.get("activation_situ_beta") or 1.0),
@@ -343,7 +376,7 @@ def _from_text_config(hf: dict[str, Any], *, name: str, expert_format: ExpertFor
                                      else float(hf["activation_situ_linear_beta"])),
         attn_res_block_size=hf.get("attn_res_block_size"),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, pad_token_id=hf.get("pad_token_id"),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 1 << 20)), name=name,
+        max_position_embeddings=hf.get("max_position_embeddings", 1 << 20), name=name,
     )
     cfg.validate()
     return cfg

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3jax.cli import Parser, run_cli
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3jax.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m k3jax.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("hf-to-orbax", help="Hugging Face directory -> orbax checkpoint")
     a.add_argument("src")
@@ -36,23 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     for q in (b, s):
         q.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size (default 5 GB)")
     args = p.parse_args(argv)
+    return run_cli("k3jax.convert", lambda: _convert(args))
 
+
+def _convert(args: argparse.Namespace) -> int:
     from k3jax import checkpoint as ckpt
-    from k3jax.config import ConfigError
-    try:
-        if args.cmd == "hf-to-orbax":
-            model = ckpt.load_hf_checkpoint(args.src, dtype=args.dtype)
-            out = ckpt.save_orbax(model, args.dst, ckpt.read_hf_config(args.src), overwrite=args.overwrite)
-        elif args.cmd == "orbax-to-hf":
-            model, hf_config = ckpt.restore_orbax(args.src)
-            out = ckpt.save_hf_checkpoint(model, args.dst, hf_config, overwrite=args.overwrite,
-                                          max_shard_bytes=int(args.max_shard_gb * 1e9))
-        else:
-            out = ckpt.write_synthetic_checkpoint(args.dst, args.preset, args.seed, overwrite=args.overwrite,
-                                                  max_shard_bytes=int(args.max_shard_gb * 1e9))
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
-        sys.stderr.write(f"k3jax.convert: error: {e}\n")
-        return 2
+    if args.cmd == "hf-to-orbax":
+        model = ckpt.load_hf_checkpoint(args.src, dtype=args.dtype)
+        out = ckpt.save_orbax(model, args.dst, ckpt.read_hf_config(args.src), overwrite=args.overwrite)
+    elif args.cmd == "orbax-to-hf":
+        model, hf_config = ckpt.restore_orbax(args.src)
+        out = ckpt.save_hf_checkpoint(model, args.dst, hf_config, overwrite=args.overwrite,
+                                      max_shard_bytes=int(args.max_shard_gb * 1e9))
+    else:
+        out = ckpt.write_synthetic_checkpoint(args.dst, args.preset, args.seed, overwrite=args.overwrite,
+                                              max_shard_bytes=int(args.max_shard_gb * 1e9))
     print(f"wrote {out}")
     return 0
 

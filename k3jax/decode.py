@@ -9,25 +9,20 @@ processes of one jax.distributed job, one GPU each (k3jax.launch); the first one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from k3jax import atomic, launch
 from k3jax.backend import BACKENDS
-from k3jax.cli import int_list, run_cli
+from k3jax.cli import Parser, check_writable, int_list, run_cli
 from k3jax.moe_parallel import VARIANTS
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2
-        sys.stderr.write(f"k3jax.decode: error: {message} (see --help)\n")
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from k3jax.presets import PRESETS
-    p = _Parser(prog="python -m k3jax.decode", description=__doc__,
+    p = Parser(prog="python -m k3jax.decode", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model")
     src.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS), metavar="NAME",
@@ -58,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = p.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample from the k most likely tokens (0 = off; needs --temperature > 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off; needs --temperature > 0)")
     gen.add_argument("--stop-token", type=int, action="append", default=[], metavar="ID",
                      help="also stop a sequence after this id (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true",
@@ -80,20 +76,61 @@ def pad_id(cfg) -> int:
     return cfg.pad_token_id if cfg.pad_token_id is not None else 0
 
 
-def run(args: argparse.Namespace) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A run's checked inputs: K3Config changes, tokenizer, prompt ids (one list per sequence),
+    k3jax.SamplingParams, stop ids, pad id."""
+
+    changes: dict
+    tokenizer: object
+    prompts: list
+    sampling: object
+    stops: list
+    pad: int
+
+
+def prepare(args: argparse.Namespace) -> Request:
+    """Everything about the run that can be checked before the weights exist: flag combinations,
+    the model config, tokenizer, prompts, sampling, stop ids (generation.check_request), the
+    output path. ValueError/ConfigError naming the problem."""
+    from k3jax.generation import SamplingParams, check_request
+    from k3jax.tokenizer import tokenizer_for
+    from k3jax.weights import config_of
+
+    for name, value, low in (("--batch-size", args.batch_size, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    if args.ep_variant != "auto" and not args.mesh:
+        raise ValueError(f"--ep-variant {args.ep_variant} needs --mesh (expert dispatch runs only on a mesh)")
+    if args.output:
+        check_writable(args.output, "--output")
+    changes = {"expert_format": args.experts} if args.experts else {}
+    cfg = config_of(args.checkpoint or args.preset, **changes)
+    tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
+    if args.prompt_ids:
+        prompts = [int_list(t, "--prompt-ids", minimum=0) for t in args.prompt_ids]
+    else:
+        prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
+    prompts = [p for p in prompts for _ in range(args.batch_size)]
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    stops, pad = stop_tokens(args, cfg), pad_id(cfg)
+    check_request(cfg, prompts, args.max_new_tokens, sampling, stops, pad)
+    if args.coordinator is None and args.temperature == 0 and (args.top_k or args.top_p < 1):   # once a job
+        print("k3jax.decode: note: --top-k / --top-p have no effect at --temperature 0 (greedy decoding)",
+              file=sys.stderr)
+    return Request(changes, tokenizer, prompts, sampling, stops, pad)
+
+
+def run(args: argparse.Namespace, request: Request) -> dict:
+    """Builds the model and generates `prepare(args)`'s request -> the report."""
     import jax
 
     import k3jax
     from k3jax.backend import KernelPlan
     from k3jax.costs import copy_bandwidth, decode_step_bytes
-    from k3jax.tokenizer import tokenizer_for
 
-    for name, value, low in (("--batch-size", args.batch_size, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    changes = {"expert_format": args.experts} if args.experts else {}
     model = k3jax.from_pretrained(args.checkpoint or args.preset, dtype=args.dtype, seed=args.seed,
-                                  mesh=args.mesh, **changes)
+                                  mesh=args.mesh, **request.changes)
     if args.mesh:
         from k3jax.sharding import set_ep_variant
         set_ep_variant(model, args.ep_variant)
@@ -102,15 +139,8 @@ def run(args: argparse.Namespace) -> dict:
         from pallas_kernels.registry import clear_fallbacks
         clear_fallbacks()
     cfg = model.cfg
-    tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
-    if args.prompt_ids:
-        prompts = [int_list(t, "--prompt-ids", minimum=0) for t in args.prompt_ids]
-    else:
-        prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
-    prompts = [p for p in prompts for _ in range(args.batch_size)]
-    sampling = k3jax.SamplingParams(args.temperature, args.top_k, args.top_p)
-    stops, pad = stop_tokens(args, cfg), pad_id(cfg)
-    result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
+    tokenizer, prompts, stops, pad = request.tokenizer, request.prompts, request.stops, request.pad
+    result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=request.sampling, seed=args.seed,
                                        stop_tokens=stops, pad_id=pad, progress=args.max_new_tokens > 32)
     device = jax.devices()[0]
     context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
@@ -188,11 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--processes must be >= 1, got {args.processes}")
         if args.processes > 1 and not args.mesh:
             raise ValueError("--processes needs --mesh (a mesh over every process's devices, e.g. ep=2)")
+        if args.coordinator is not None:    # a process of the job: join before anything touches jax
+            launch.join(args.coordinator, args.processes, args.process_id)
+        request = prepare(args)             # bad input ends here, before any process or weight (no jax call)
         if args.processes > 1 and args.coordinator is None:     # the launcher: the job's processes do the work
             return launch.spawn([sys.executable, "-m", "k3jax.decode", *argv], args.processes)
-        if args.coordinator is not None:
-            launch.join(args.coordinator, args.processes, args.process_id)
-        report = run(args)
+        report = run(args, request)
         if args.process_id:          # one report per job: the first process's
             return 0
         print_report(report, args.quiet)

@@ -7,6 +7,7 @@ Nothing syncs with the host inside the decode loop except an early-stop check ev
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 from k3jax import ops, sharding
 from k3jax.cache import DecodeState, init_state
-from k3jax.model import K3Model, check_token_ids
+from k3jax.model import K3Model, host_token_ids
 from k3jax.weights import check_fits, check_int, describe
 
 STOP_CHECK_EVERY = 8
@@ -39,8 +40,8 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{name} must be a number, got {describe(value)}")
         check_int("top_k", self.top_k)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -77,9 +78,9 @@ class GenerationResult:
 
 def pad_prompts(prompts, vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """A [B, T] int array or a list of B token-id lists (any lengths) -> right-padded int32 ids
-    [B, T], lengths [B]. Ids are validated by model.check_token_ids."""
+    [B, T], lengths [B]. Ids are validated on the host (model.host_token_ids; no jax call)."""
     if isinstance(prompts, (np.ndarray, jax.Array)):
-        ids = np.asarray(check_token_ids(prompts, vocab_size))
+        ids = host_token_ids(prompts, vocab_size)
         return ids, np.full((ids.shape[0],), ids.shape[1], np.int32)
     text = (str, bytes)
     if (isinstance(prompts, text) or not isinstance(prompts, Sequence) or not prompts
@@ -93,7 +94,7 @@ def pad_prompts(prompts, vocab_size: int, pad_id: int = 0) -> tuple[np.ndarray, 
         if r.ndim != 1:
             raise ValueError(f"prompt {i} must be a flat list of token ids, got shape {list(r.shape)}")
     lengths = np.array([r.size for r in rows], np.int32)
-    flat = np.asarray(check_token_ids(np.concatenate(rows)[None], vocab_size))[0]   # every id, one check
+    flat = host_token_ids(np.concatenate(rows)[None], vocab_size)[0]   # every id, one check
     ids = np.full((len(rows), int(lengths.max())), pad_id, np.int32)
     for i, row in enumerate(np.split(flat, np.cumsum(lengths)[:-1])):
         ids[i, :row.size] = row
@@ -153,38 +154,57 @@ def _decode_step(graphdef, params, state: DecodeState, out, done, step, key, sto
     return state, out, done
 
 
+def check_request(cfg, input_ids, max_new_tokens: int, sampling: SamplingParams, stop_tokens=(),
+                  pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Checks a generation request against the model config `cfg` before anything is built or
+    run -> (right-padded int32 ids [B, T], lengths [B], stop ids). TypeError/ValueError naming the
+    problem: a bad prompt or id, top_k beyond the vocabulary, a stop or pad id outside it, prompt
+    plus new tokens beyond max_position_embeddings."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a k3jax.SamplingParams, got {describe(sampling)}")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    vocab = cfg.vocab_size
+    if sampling.top_k > vocab:
+        raise ValueError(f"top_k ({sampling.top_k}) exceeds the vocabulary size ({vocab})")
+    pad_id = check_int("pad_id", pad_id, minimum=0)
+    if pad_id >= vocab:
+        raise ValueError(f"pad_id must be a token id below the vocabulary size {vocab}, got {pad_id}")
+    stop_ids = _stop_ids(stop_tokens)
+    outside = [t for t in stop_ids if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"stop token id(s) {outside} outside the vocabulary [0, {vocab}): they could never match")
+    ids, lengths = pad_prompts(input_ids, vocab, pad_id)
+    max_len = ids.shape[1] + max_new_tokens
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
+                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+    return ids, lengths, stop_ids
+
+
 def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
                         sampling: SamplingParams = SamplingParams(), key: jax.Array | None = None,
                         seed: int = 0, stop_tokens: Sequence[int] = (), pad_id: int = 0,
                         progress: bool = False) -> GenerationResult:
     """Generates up to `max_new_tokens` per prompt; see `generate`. Returns ids and timings.
-    Raises TypeError/ValueError naming a bad argument and OutOfMemoryError (before prefill) when the
-    decode state of batch x (prompt + max_new_tokens) tokens cannot fit beside the weights."""
+    Raises TypeError/ValueError naming a bad argument (`check_request`) and OutOfMemoryError
+    (before prefill) when the decode state of batch x (prompt + max_new_tokens) tokens cannot fit
+    beside the weights."""
     if not isinstance(model, K3Model):
         raise TypeError(f"model must be a k3jax.K3Model (k3jax.from_pretrained), got {type(model).__name__}")
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a k3jax.SamplingParams, got {describe(sampling)}")
     cfg = model.cfg
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
-    seed, pad_id = check_int("seed", seed), check_int("pad_id", pad_id, minimum=0)
-    if pad_id >= cfg.vocab_size:
-        raise ValueError(f"pad_id must be a token id below the vocabulary size {cfg.vocab_size}, got {pad_id}")
-    stop_tokens = _stop_ids(stop_tokens)
+    seed = check_int("seed", seed)
+    ids, lengths, stop_tokens = check_request(cfg, input_ids, max_new_tokens, sampling, stop_tokens, pad_id)
     key = None if key is None else _check_key(key)
     mesh = sharding.model_mesh(model)
     if mesh is not None and jax.sharding.get_abstract_mesh().empty:
         with jax.set_mesh(mesh):  # a sharded model runs on its mesh (expert dispatch, state layout)
             return generate_with_stats(model, input_ids, max_new_tokens, sampling=sampling, key=key, seed=seed,
                                        stop_tokens=stop_tokens, pad_id=pad_id, progress=progress)
-    ids, lengths = pad_prompts(input_ids, cfg.vocab_size, pad_id)
     prompt_lengths = lengths
     if mesh is not None:
         ids = jax.device_put(ids, sharding.batch_sharding(mesh, ids.shape))
         lengths = jax.device_put(lengths, sharding.batch_sharding(mesh, lengths.shape))
     max_len = ids.shape[1] + max_new_tokens
-    if max_len > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({ids.shape[1]}) + max_new_tokens ({max_new_tokens}) = {max_len} exceeds "
-                         f"max_position_embeddings ({cfg.max_position_embeddings})")
     b = ids.shape[0]
     check_fits(cfg, model.dtype, mesh=mesh, batch=b, max_len=max_len, params=False)   # before compiling
     key = jax.random.key(seed) if key is None else key

@@ -147,6 +147,12 @@ def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
         if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids must be an integer array [batch, seq], got {input_ids.dtype}{list(input_ids.shape)}")
         return input_ids.astype(jnp.int32)
+    return jnp.asarray(host_token_ids(input_ids, vocab_size))
+
+
+def host_token_ids(input_ids, vocab_size: int) -> np.ndarray:
+    """check_token_ids on the host: int32 numpy ids, and no jax call (a launcher validates prompts
+    before jax.distributed may start the backend)."""
     arr = np.asarray(input_ids)
     if arr.ndim != 2:
         raise ValueError(f"input_ids must have shape [batch, seq], got shape {list(arr.shape)}")
@@ -158,4 +164,4 @@ def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
     if bad.any():
         raise ValueError(f"input_ids has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), "
                          f"e.g. {int(arr[bad][0])}")
-    return jnp.asarray(arr, jnp.int32)
+    return arr.astype(np.int32)

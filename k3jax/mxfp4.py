@@ -70,8 +70,20 @@ def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -
     exponent e, mantissa m) is m/2 for e = 0 and (1 + m/2) * 2^(e-1) otherwise; multiplying by
     the power-of-two scale is exact in float32 for scale codes 1..254.
     """
+    _check_packed(packed, scale)
     per_byte = _pow2(jnp.repeat(scale, GROUP // 2, axis=-1))              # one scale per packed byte
     return tuple((code_values(c) * per_byte).astype(dtype) for c in (packed & 0x0F, packed >> 4))
+
+
+def _check_packed(packed, scale) -> None:
+    """ValueError naming the problem unless packed is uint8 [..., out, in/2] and scale uint8
+    [..., out, in/32] over the same leading dims (a scale without the expert axis would broadcast)."""
+    if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 codes and scales must be uint8, got {packed.dtype} and {scale.dtype}")
+    want = (*packed.shape[:-1], packed.shape[-1] * 2 // GROUP)
+    if packed.ndim < 2 or packed.shape[-1] % (GROUP // 2) or tuple(scale.shape) != want:
+        raise ValueError(f"MXFP4 weight_packed {list(packed.shape)} needs a last dimension divisible by "
+                         f"{GROUP // 2} and weight_scale {list(want)}, got {list(scale.shape)}")
 
 
 def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:

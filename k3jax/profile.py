@@ -59,7 +59,7 @@ import jax
 
 from k3jax import atomic, bench
 from k3jax.backend import BACKENDS
-from k3jax.cli import check_preset, known, run_cli
+from k3jax.cli import Parser, at_least, check_preset, check_writable, known, run_cli
 from k3jax.moe_parallel import VARIANTS
 
 # ------------------------------------------------------------------ HLO text -> instruction records
@@ -510,7 +510,7 @@ def markdown(result: dict) -> str:
 
 # ------------------------------------------------------------------ CLI
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3jax.profile", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m k3jax.profile", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="k3-tiny", help="preset name or checkpoint directory")
     p.add_argument("--backend", default="xla", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--granularity", default=None, help="default: xla-ops for xla, per-op for the others")
@@ -535,8 +535,11 @@ def _main(a: argparse.Namespace, command: str) -> int:
     known([a.ep_variant], ("auto", *VARIANTS), "--ep-variant")
     for flag, value, low in (("--batch", a.batch, 1), ("--context", a.context, 1), ("--steps", a.steps, 1),
                              ("--warmup", a.warmup, 0)):
-        if value < low:
-            raise ValueError(f"{flag} needs an integer >= {low}, got {value}")
+        at_least(flag, value, low)
+    if a.ep_variant != "auto" and not a.mesh:
+        raise ValueError(f"--ep-variant {a.ep_variant} needs --mesh (expert dispatch runs only on a mesh)")
+    if a.out:
+        check_writable(a.out, "--out")
     check_preset(a.preset)
     if jax.default_backend() != "gpu":
         print("warning: no GPU; no kernel times (CUPTI), only the HLO inventory and wall time", file=sys.stderr)

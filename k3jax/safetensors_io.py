@@ -6,13 +6,15 @@ then the raw little-endian tensor bytes (offsets relative to the end of the head
 
 Reading is lazy: `SafetensorsFile.read(name)` returns a read-only `np.memmap` view of that one
 tensor, so a loader touches one tensor's pages at a time, never the whole file. Every structural
-problem (truncation, overlapping or out-of-range offsets, bad JSON, unknown dtype, size/shape
-mismatch) raises `SafetensorsError` naming the file and the tensor.
+problem (truncation, overlapping or out-of-range offsets, bad JSON, unknown dtype, a shape or
+offsets that are not lists of non-negative integers, size/shape mismatch) raises `SafetensorsError`
+naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -55,6 +57,11 @@ class TensorInfo:
     nbytes: int
 
 
+def _naturals(v) -> bool:
+    """v is a JSON list of non-negative integers (bools, floats and strings are not)."""
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
 class SafetensorsFile:
     """One .safetensors file, header parsed and validated on open; tensors read lazily."""
 
@@ -82,20 +89,27 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             raise SafetensorsError(f"{path}: corrupt: header JSON is not an object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise SafetensorsError(f"{path}: corrupt: __metadata__ is not a JSON object")
         data_start, data_size = 8 + n, size - 8 - n
         self._infos: dict[str, TensorInfo] = {}
         spans = []
         for name, entry in header.items():
-            try:
-                dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise SafetensorsError(f"{path}: corrupt: bad header entry for tensor {name!r}: {entry!r}") from None
-            if dtype not in DTYPES:
+            if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+                raise SafetensorsError(f"{path}: corrupt: bad header entry for tensor {name!r}: {entry!r}")
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
                 raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-            if any(s < 0 for s in shape):
-                raise SafetensorsError(f"{path}: corrupt: tensor {name!r} has negative shape {list(shape)}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-            if not (0 <= begin <= end) or end - begin != nbytes:
+            # int() would truncate 2.7 and accept "12": every entry must already be a JSON integer
+            if not _naturals(shape):
+                raise SafetensorsError(f"{path}: corrupt: tensor {name!r} has shape {shape!r}, "
+                                       f"not a list of non-negative integers")
+            if not _naturals(offsets) or len(offsets) != 2:
+                raise SafetensorsError(f"{path}: corrupt: tensor {name!r} has data_offsets {offsets!r}, "
+                                       f"not two non-negative integers")
+            (begin, end), shape = offsets, tuple(shape)
+            nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+            if begin > end or end - begin != nbytes:
                 raise SafetensorsError(f"{path}: corrupt: tensor {name!r} {dtype}{list(shape)} needs {nbytes} bytes "
                                        f"but data_offsets are [{begin}, {end}]")
             if end > data_size:

@@ -104,7 +104,8 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
     Uses the first dp*ep*tp devices of `devices` (default: all devices of all processes; in a
     multi-process run the mesh must span every device).
     """
-    sizes = parse_mesh(spec) if isinstance(spec, str) else {**dict.fromkeys(AXES, 1), **spec}
+    # a dict goes through the spec's checks too: names (aliases included) and sizes >= 1
+    sizes = parse_mesh(spec if isinstance(spec, str) else ",".join(f"{k}={v}" for k, v in spec.items()))
     n = math.prod(sizes[a] for a in AXES)
     devices = list(jax.devices() if devices is None else devices)
     if n > len(devices):
@@ -114,6 +115,16 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
                         f"{len(devices)} devices")
     grid = np.asarray(devices[:n], dtype=object).reshape([sizes[a] for a in AXES])
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def as_mesh(mesh: str | dict[str, int] | Mesh) -> Mesh:
+    """A spec ("ep=2,tp=2" or {"ep": 2}) -> make_mesh(spec); a Mesh must have the axes AXES."""
+    if not isinstance(mesh, Mesh):
+        return make_mesh(mesh)
+    if tuple(mesh.axis_names) != AXES:
+        raise MeshError(f"a k3jax mesh has the axes {AXES}, got {tuple(mesh.axis_names)}; build it with "
+                        f"k3jax.sharding.make_mesh (e.g. make_mesh('ep=2')) or pass the spec")
+    return mesh
 
 
 def format_mesh(mesh_or_sizes) -> str:

@@ -47,7 +47,8 @@ class TiktokenTokenizer:
     """Kimi's tiktoken BPE (`tiktoken.model` in the checkpoint directory; needs PyPI `tiktoken`).
 
     Special tokens follow the base vocabulary: names from tokenizer_config.json's
-    `added_tokens_decoder` when present, `<|reserved_token_i|>` otherwise.
+    `added_tokens_decoder` when present, `<|reserved_token_i|>` otherwise. Ids it does not hold
+    decode as `<id>`, as in ByteTokenizer.
     """
 
     name = "tiktoken (Kimi)"
@@ -70,8 +71,15 @@ class TiktokenTokenizer:
         return self.encoding.encode(text, allowed_special="all")
 
     def decode(self, ids) -> str:
-        known = [int(i) for i in ids if int(i) < self.encoding.n_vocab]
-        return self.encoding.decode(known)
+        """Ids the encoding does not hold (past its specials, below the model's vocabulary) decode as `<id>`."""
+        out, run = [], []
+        for i in map(int, ids):
+            if 0 <= i < self.encoding.n_vocab:
+                run.append(i)
+            else:
+                out += [self.encoding.decode(run), f"<{i}>"]
+                run = []
+        return "".join(out) + self.encoding.decode(run)
 
 
 def tokenizer_for(checkpoint_dir: str | None, vocab_size: int):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import atomic
-from k3jax.cli import check_preset, known, run_cli
+from k3jax.cli import Parser, at_least, check_preset, check_writable, known, run_cli
 from k3jax.backend import BACKENDS, REFERENCES
 
 
@@ -114,9 +114,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
     sizes = sizes or ({"small", "k3"} if on_gpu else {"small"})
     specs = registry.specs()
     results, not_run = [], []
-    for op in ops or list(REFERENCES):
-        if op not in REFERENCES:
-            raise ValueError(f"unknown op {op!r}; choose from {', '.join(REFERENCES)}")
+    for op in known(ops, REFERENCES, "op(s)") if ops else list(REFERENCES):      # all named before any runs
         fn = registry.implementation(op, backend)
         if fn is None or op not in specs:
             log(f"{op:14s} no {backend} kernel (falls back to XLA)")
@@ -344,7 +342,7 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3jax.validate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m k3jax.validate", description=__doc__.splitlines()[0])
     p.add_argument("--model", action="store_true", help="whole-model backend parity instead of per-op kernels")
     p.add_argument("--preset", default="k3-tiny", help="--model: preset name or checkpoint directory")
     p.add_argument("--backends", default="pallas,cute", help="--model: backends compared with xla")
@@ -368,6 +366,9 @@ def main(argv=None) -> int:
 
 
 def _main(a: argparse.Namespace) -> int:
+    check_writable(a.out + ".json", "--out")
+    if a.budget_s is not None:
+        at_least("--budget-s", a.budget_s, 0)      # 0: list every case as not run
     if a.model:
         backends = known(a.backends.split(","), BACKENDS, "backend(s)")
         check_preset(a.preset)
@@ -382,6 +383,7 @@ def _main(a: argparse.Namespace) -> int:
     sizes = set(a.sizes.split(",")) if a.sizes else None
     if sizes and sizes - {"small", "k3"}:
         raise ValueError(f"--sizes takes small and/or k3, got {a.sizes!r}")
+    at_least("--repeats", a.repeats, 1)         # the determinism check needs a rerun
     deadline = None if a.budget_s is None else time.time() + a.budget_s
     results, not_run = run(a.backend, a.op, sizes, a.repeats, deadline=deadline)
     if not results and not not_run:

@@ -134,6 +134,17 @@ def check_int(name: str, value, minimum: int | None = None) -> int:
     return int(value)
 
 
+def config_of(path_or_preset: str, **config_changes) -> K3Config:
+    """The K3Config `from_pretrained(path_or_preset, **config_changes)` builds, without weights
+    (a preset, or a checkpoint directory's config.json): for checks before a long load."""
+    if os.path.isdir(path_or_preset):
+        from k3jax.checkpoint import checkpoint_config
+        return checkpoint_config(path_or_preset, **config_changes)
+    if path_or_preset not in PRESETS and os.sep in path_or_preset:
+        raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
+    return get_preset(path_or_preset, **config_changes)
+
+
 def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mesh=None, **config_changes) -> K3Model:
     """A model from a preset name (random weights from `seed`) or a checkpoint directory.
 
@@ -151,14 +162,12 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
     dtype = parse_dtype(dtype)
     if mesh is not None:
         from k3jax import sharding
-        mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+        mesh = sharding.as_mesh(mesh)
     if os.path.isdir(path_or_preset):
         from k3jax.checkpoint import load_hf_checkpoint
         target = None if mesh is None else sharding.checkpoint_sharding(mesh)
         return load_hf_checkpoint(path_or_preset, dtype=dtype, sharding=target, mesh=mesh, **config_changes)
-    if path_or_preset not in PRESETS and os.sep in path_or_preset:
-        raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
-    cfg = get_preset(path_or_preset, **config_changes)
+    cfg = config_of(path_or_preset, **config_changes)
     check_fits(cfg, dtype, mesh=mesh)
     if mesh is not None:
         return sharding.create_sharded(lambda: K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), mesh)

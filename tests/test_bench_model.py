@@ -69,10 +69,13 @@ def test_failures_become_rows(monkeypatch, tmp_path):
     st = [(r["batch"], r["status"]) for r in res["rows"]]
     assert st == [(1, "skipped"), (2, "error")]
     assert res["rows"][0]["reason"].startswith("out of memory")
-    # A model that cannot be built is one skipped row per configuration, not a crash.
+    # A model that cannot be built is one row per configuration, not a crash: an error for bad
+    # input (the CLI's exit status 1), skipped when it is too big to hold.
     res = bench.bench_model("k3-tiny", ["xla"], ["xla-ops"], [1], [8], expert_formats=["fp8"],
                             progress=False, log=lambda s: None)
-    assert res["rows"][0]["status"] == "skipped" and "model not built" in res["rows"][0]["reason"]
+    assert res["rows"][0]["status"] == "error" and "model not built" in res["rows"][0]["reason"]
+    res = bench.bench_model("k3-full", ["xla"], ["xla-ops"], [1], [8], progress=False, log=lambda s: None)
+    assert res["rows"][0]["status"] == "skipped" and "needs ~" in res["rows"][0]["reason"]
 
 
 def test_batch_major_order_and_time_budget(monkeypatch):

@@ -5,6 +5,7 @@ import base64
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 
@@ -120,6 +121,69 @@ def test_orbax_roundtrip_and_cli(tmp_path):
     ids = np.arange(1, 7)[None]
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(load(TINY)(ids)))
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    meta_path = os.path.join(orb, "k3jax.json")
+    meta = json.load(open(meta_path))
+    meta["hf_config"]["text_config"]["vocab_size"] += 64
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(ckpt.CheckpointError, match=r"stored arrays in state/ do not match its k3jax.json "
+                       r"config .*Requested shape: \(576, 64\)"):
+        ckpt.restore_orbax(orb)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{\"hf_config\": {", "k3jax.json: not valid JSON"),
+    ("[]", "k3jax.json: not a JSON object"),
+    ('{"hf_config": {}, "dtype": "bfloat16"}', r"k3jax.json: missing key\(s\) \['expert_format'\]"),
+    ('{"hf_config": {}, "dtype": "bf17", "expert_format": "bf16"}', "k3jax.json: dtype 'bf17' is not a dtype"),
+])
+def test_restore_orbax_malformed_metadata(tmp_path, text, match):
+    os.makedirs(tmp_path / "orb" / "state")
+    (tmp_path / "orb" / "k3jax.json").write_text(text)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.restore_orbax(str(tmp_path / "orb"))
+
+
+def test_save_refuses_a_config_that_does_not_describe_the_model(tmp_path):
+    model, hf = load(TINY), ckpt.read_hf_config(TINY)
+    eps = json.loads(json.dumps(hf))
+    eps["text_config"]["rms_norm_eps"] = 3e-6
+    bf16 = json.loads(json.dumps(hf))
+    del bf16["text_config"]["quantization_config"]          # the model holds MXFP4 experts
+    with pytest.raises(ckpt.CheckpointError, match=r"does not describe the model being saved:\n"
+                       r"  rms_norm_eps: model 1e-05, hf_config 3e-06$"):
+        ckpt.save_hf_checkpoint(model, str(tmp_path / "a"), eps)
+    with pytest.raises(ckpt.CheckpointError, match="expert_format: model 'mxfp4', hf_config 'bf16'"):
+        ckpt.save_hf_checkpoint(model, str(tmp_path / "b"), bf16)
+    with pytest.raises(ckpt.CheckpointError, match="rms_norm_eps: model 1e-05, hf_config 3e-06"):
+        ckpt.save_orbax(model, str(tmp_path / "c"), eps)
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    d = ckpt.write_synthetic_checkpoint(str(tmp_path / "d"), "k3-tiny", seed=1)
+    old = ckpt.TensorIndex(d)
+    before = {n: np.array(old.read(n)) for n in old.where}
+    rename = os.rename
+
+    def failing_rename(src, dst):
+        if ".tmp-" in os.path.basename(src):
+            raise OSError("rename failed")
+        rename(src, dst)
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        ckpt.write_synthetic_checkpoint(d, "k3-tiny", seed=2, overwrite=True)
+    assert os.listdir(tmp_path) == ["d"]                    # no .old-* or .tmp-* left behind
+    after = ckpt.TensorIndex(d)
+    assert sorted(after.where) == sorted(before)
+    for n, v in before.items():
+        np.testing.assert_array_equal(after.read(n), v, err_msg=n)
+    monkeypatch.setattr(os, "rename", rename)
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or fsync(fd))
+    out = ckpt.write_synthetic_checkpoint(str(tmp_path / "s"), "k3-tiny", max_shard_bytes=300_000)
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert len(synced) == len(shards) + 2                   # every shard, the index and config.json
 
 
 def test_interrupted_write_leaves_nothing(tmp_path):
@@ -233,6 +297,62 @@ def test_truncated_and_corrupt_files(copy_tiny, tmp_path):
         SafetensorsFile(str(bad))
 
 
+@pytest.mark.parametrize("entry, match", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": None}, "data_offsets None, not two non-negative integers"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]}, r"data_offsets \['0', '8'\], not two"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 8]}, "not two non-negative integers"),
+    ({"dtype": "F32", "shape": [2.7], "data_offsets": [0, 8]}, r"shape \[2.7\], not a list of non-negative"),
+    ({"dtype": "F32", "shape": ["12"], "data_offsets": [0, 8]}, r"shape \['12'\], not a list"),
+    ({"dtype": "F32", "shape": "12", "data_offsets": [0, 8]}, "shape '12', not a list"),
+    ({"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}, r"unsupported dtype \['F32'\]"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "truncated: tensor 'a' ends at data byte 16 but"),
+    ("F32", "bad header entry for tensor 'a'"),
+])
+def test_malformed_header_entries(tmp_path, entry, match):
+    bad = str(tmp_path / "bad.safetensors")
+    hdr = json.dumps({"a": entry}).encode()
+    with open(bad, "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)) + hdr + np.random.default_rng(0).standard_normal(2).astype("<f4").tobytes())
+    with pytest.raises(SafetensorsError, match=f"{re.escape(bad)}: .*{match}"):
+        SafetensorsFile(bad)
+    with open(bad, "wb") as f:
+        f.write(struct.pack("<Q", 4) + b"[12]")
+    with pytest.raises(SafetensorsError, match=f"{re.escape(bad)}: corrupt: header JSON is not an object"):
+        SafetensorsFile(bad)
+
+
+def test_sharded_index_must_cover_the_shards(copy_tiny, monkeypatch):
+    d = copy_tiny(shard_bytes=300_000)
+    shard = sorted(f for f in os.listdir(d) if f.startswith("model-"))[1]
+    extra = "language_model.model.layers.2.extra.weight"
+    _rewrite(os.path.join(d, shard), change={extra: np.random.default_rng(0).standard_normal(3).astype(np.float32)})
+    save_file(os.path.join(d, "stray.safetensors"), {"x": np.random.default_rng(1).standard_normal(2)})
+    with monkeypatch.context() as m:                        # headers only: no tensor data is read
+        m.setattr(SafetensorsFile, "read", lambda *a: pytest.fail("read a tensor"))
+        index = ckpt.TensorIndex(d)
+    assert index.unindexed == {extra: shard} and index.unnamed_files == ["stray.safetensors"]
+    with pytest.raises(ckpt.CheckpointError) as e:
+        load(d)
+    assert f"1 tensor(s) in shards but not in {ckpt.INDEX_FILE}" in str(e.value)
+    assert f"{extra} (in {shard})" in str(e.value)
+    assert f"1 *.safetensors file(s) that {ckpt.INDEX_FILE} does not name:\n  stray.safetensors" in str(e.value)
+
+
+def test_malformed_index(copy_tiny):
+    d = copy_tiny(shard_bytes=300_000)
+    index_path = os.path.join(d, ckpt.INDEX_FILE)
+    index = json.load(open(index_path))
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    moved = next(n for n, f in index["weight_map"].items() if f == first)
+    for weight_map, match in [({**index["weight_map"], moved: second},
+                               f"in '{second}' but that file does not hold them:\n  {moved}"),
+                              (list(index["weight_map"]), "weight_map must be an object"),
+                              ({moved: 3}, f"weight_map\\['{moved}'\\] must be a file name, got 3")]:
+        json.dump({**index, "weight_map": weight_map}, open(index_path, "w"))
+        with pytest.raises(ckpt.CheckpointError, match=match):
+            load(d)
+
+
 def test_index_points_at_missing_shard(copy_tiny):
     d = copy_tiny(shard_bytes=300_000)
     shard = sorted(f for f in os.listdir(d) if f.startswith("model-"))[1]
@@ -255,6 +375,8 @@ def test_decode_cli_with_checkpoint_and_tiktoken(tmp_path, capsys):
     tok = tokenizer_for(str(d), 512)
     assert isinstance(tok, TiktokenTokenizer)
     assert tok.encode("the") == [257] and tok.decode([257, 32]) == "the "
+    two_specials = TiktokenTokenizer(str(d / "tiktoken.model"), 260)       # ids 260+ are not in it
+    assert two_specials.decode([257, 300, 32]) == "the<300> "
     assert main(["--checkpoint", str(d), "--prompt", "the cat", "--max-new-tokens", "3", "--quiet",
                  "--output", str(tmp_path / "r.json")]) == 0
     report = json.load(open(tmp_path / "r.json"))

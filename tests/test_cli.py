@@ -64,7 +64,7 @@ def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     ("validate", ["--model", "--preset", "nope"], "neither a preset"),
     ("validate", ["--model", "--steps", "0"], "--steps and --batch must be >= 1"),
     ("validate", ["--model", "--backends", "triton"], "unknown backend"),
-    ("validate", ["--op", "nope"], "unknown op 'nope'"),
+    ("validate", ["--op", "nope"], "unknown op(s) ['nope']"),
     ("validate", ["--sizes", "huge"], "--sizes takes small and/or k3"),
     ("bench", ["--model", "--preset", "nope"], "neither a preset"),
     ("bench", ["--model", "--backends", "triton"], "unknown backend"),
@@ -72,15 +72,45 @@ def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     ("bench", ["--ops", "nope"], "unknown op"),
     ("bench", ["--ops", "linear", "--cases", "k3_("], "is not a regular expression"),
     ("bench", ["--report", "/nonexistent.json"], "no such result file"),
+    ("validate", ["--repeats", "0"], "--repeats must be >= 1"),
+    ("validate", ["--budget-s", "-1"], "--budget-s must be >= 0"),
+    ("validate", ["--op", "linear", "--op", "bogus"], "unknown op(s) ['bogus']"),
+    ("bench", ["--model", "--steps", "0"], "--steps must be >= 1"),
+    ("bench", ["--model", "--warmup", "-1"], "--warmup must be >= 0"),
+    ("bench", ["--model", "--budget-s", "nan"], "--budget-s must be >= 0"),
+    ("bench", ["--model", "--dtype", "fp16"], "unknown dtype 'fp16'"),
+    ("bench", ["--model", "--expert-formats", "mxfp4,mxfp5"], "unknown --expert-formats ['mxfp5']"),
+    ("bench", ["--model", "--mesh", "ep=16"], "needs 16 devices"),
+    ("profile", ["--ep-variant", "a2a"], "--ep-variant a2a needs --mesh"),
+    ("profile", ["--steps", "0"], "--steps must be >= 1"),
 ])
 def test_validate_and_bench_reject_bad_input_before_running(capsys, tmp_path, tool, argv, needle):
     """Nothing is run or written: one error line, exit status 2."""
-    from k3jax import bench, validate
-    main = {"validate": validate.main, "bench": bench.main}[tool]
+    from k3jax import bench, profile, validate
+    main = {"validate": validate.main, "bench": bench.main, "profile": profile.main}[tool]
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"k3jax.{tool}: error:") and needle in err, err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("tool", ["decode", "validate", "bench", "profile", "convert"])
+def test_flag_errors_are_one_line(capsys, tmp_path, tool):
+    """A malformed flag (argparse's own error) is one line naming it, exit status 2, no usage dump;
+    an --out that is a directory is refused before any work."""
+    import importlib
+    main = importlib.import_module(f"k3jax.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["synthetic", "--seed", "x"] if tool == "convert" else ["--steps" if tool != "decode" else "--seed", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"k3jax.{tool}: error:") and "invalid int value: 'x'" in err, err
+    if tool in ("validate", "bench", "profile"):
+        out = str(tmp_path) + ("/r" if tool == "validate" else "")          # validate's --out is a prefix
+        os.mkdir(out + ".json") if tool == "validate" else None
+        argv = {"validate": [], "bench": ["--model"], "profile": []}[tool]
+        assert main(argv + ["--out", out]) == 2
+        assert "is a directory" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_atomic_writes_keep_permissions(tmp_path):
@@ -93,6 +123,44 @@ def test_atomic_writes_keep_permissions(tmp_path):
     path.chmod(0o640)
     atomic.write_json(str(path), {"a": 2})
     assert path.stat().st_mode & 0o777 == 0o640 and json.loads(path.read_text()) == {"a": 2}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--top-k", "1000", "--temperature", "1"], "top_k (1000) exceeds the vocabulary size (512)"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--stop-token", "3000000000"], "stop token id(s) [3000000000] outside the vocabulary [0, 512)"),
+    (["--ep-variant", "a2a"], "--ep-variant a2a needs --mesh"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "2000000"], "exceeds max_position_embeddings"),
+    (["--output", "{tmp}"], "is a directory"),
+    (["--output", "{tmp}/file.json/run.json"], "is a file, not a folder"),
+])
+def test_request_errors_come_before_the_weights(monkeypatch, capsys, tmp_path, argv, needle):
+    """What can be checked from the config, prompts and flags fails before any weight is built."""
+    import k3jax
+    (tmp_path / "file.json").write_text("{}")
+    monkeypatch.setattr(k3jax, "from_pretrained", lambda *a, **k: pytest.fail("weights built before the checks"))
+    assert decode.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    one_line_error(capsys, needle)
+
+
+def test_request_checks_do_not_start_jax():
+    """decode --processes N checks the request in the launcher, which must not start a jax backend
+    (on a GPU it would take the memory its processes need; jax.distributed must come first)."""
+    code = ("from k3jax import decode; import jax._src.xla_bridge as xb; "
+            "decode.prepare(decode.build_parser().parse_args(['--prompt', 'hi', '--stop-token', '7'])); "
+            "assert not xb._backends, 'a jax backend was started'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_sampling_flags_at_temperature_0_are_named(monkeypatch, capsys):
+    """--top-k / --top-p do nothing when decoding greedily: the run says so instead of ignoring them."""
+    import k3jax
+    monkeypatch.setattr(k3jax, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
+    assert decode.main(["--top-k", "5"]) == 2
+    assert "--top-k / --top-p have no effect at --temperature 0" in capsys.readouterr().err
 
 
 def test_every_tool_lets_xla_take_most_of_the_gpu(monkeypatch):

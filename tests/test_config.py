@@ -1,6 +1,7 @@
 """Config parsing, preset validation errors and parameter counts."""
 
 import copy
+import re
 
 import pytest
 
@@ -150,3 +151,32 @@ def test_plain_text_config_equals_wrapper():
     text = k3_text()
     text.update(bos_token_id=163584, pad_token_id=163839)
     assert K3Config.from_hf(text, name="x") == wrapped
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": 64.0}, "hidden_size: must be an integer, got 64.0"),
+    ({"num_experts": 8.5}, "num_experts: must be an integer, got 8.5"),
+    ({"q_lora_rank": -4}, "q_lora_rank: must be positive, got -4"),
+    ({"num_shared_experts": -1}, "num_shared_experts: must be >= 0"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size: routed experts need a positive width"),
+    ({"intermediate_size": 0}, "intermediate_size: dense MLP layers need a positive width"),
+    ({"num_expert_group": 896, "topk_group": 448}, "num_expert_group: group-limited routing scores each group"),
+    ({"num_expert_group": 8, "topk_group": 1}, "num_experts_per_token: 16 exceeds the 112 experts|"),
+    ({"num_expert_group": 64, "topk_group": 1}, "num_experts_per_token: 16 exceeds the 14 experts"),
+])
+def test_inconsistent_sizes_are_named(change, message):
+    """Sizes jax would only trip over later (floats, negatives, empty experts, routing groups that
+    cannot supply k experts) fail at the config with the field's name."""
+    text = {**k3_text(), **change}
+    if message.endswith("|"):       # a consistent grouping: accepted
+        assert K3Config.from_hf(text).num_expert_group == change["num_expert_group"]
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        K3Config.from_hf(text)
+
+
+def test_layer_numbers_must_be_integers():
+    text = k3_text()
+    text["linear_attn_config"] = {**text["linear_attn_config"], "kda_layers": [1.5, 2]}
+    with pytest.raises(ConfigError, match=r"linear_attn_config.kda_layers: must be a list of integer layer numbers"):
+        K3Config.from_hf(text)

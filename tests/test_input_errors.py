@@ -158,3 +158,16 @@ def test_bench_skips_a_point_that_cannot_fit(model, monkeypatch):
     free_memory(monkeypatch, 1 << 20)
     row = bench._bench_point(model, {}, 64, 1000, 2, 1, 0, 1.0)
     assert row["status"] == "skipped" and "decode state for batch 64" in row["reason"]
+
+
+def test_mesh_specs_and_meshes_are_checked():
+    """A dict spec goes through the string spec's checks (aliases, sizes); a Mesh without the
+    k3jax axes is refused with what to do, not a KeyError deep in the sharding rules."""
+    from jax.sharding import Mesh
+    assert dict(sharding.make_mesh({"ep": 4}).shape) == {"data": 1, "expert": 4, "tensor": 1}
+    with pytest.raises(sharding.MeshError, match="size of 'expert' must be >= 1"):
+        sharding.make_mesh({"expert": -2})
+    with pytest.raises(sharding.MeshError, match="NAME one of dp, ep, tp"):
+        sharding.make_mesh({"experts": 2})
+    with pytest.raises(sharding.MeshError, match=r"axes \('data', 'expert', 'tensor'\), got \('x',\)"):
+        k3jax.from_pretrained("k3-tiny", dtype="float32", mesh=Mesh(np.array(jax.devices()), ("x",)))

@@ -80,6 +80,18 @@ def test_bad_width_raises():
         mxfp4.quantize(jnp.ones((4, 48)))
 
 
+def test_dequantize_checks_its_operands():
+    """A scale without the expert axis would broadcast (every expert on one set of scales), a
+    float scale would decode to zeros: both are refused, naming the shapes or dtypes."""
+    packed, scale = mxfp4.random_packed(jax.random.key(3), (2, 8, 64))
+    with pytest.raises(ValueError, match=r"weight_scale \[2, 8, 2\], got \[8, 2\]"):
+        mxfp4.dequantize(packed, scale[0])
+    with pytest.raises(ValueError, match=r"weight_scale \[2, 8, 2\], got \[2, 8, 1\]"):
+        mxfp4.dequantize(packed, scale[..., :1])
+    with pytest.raises(ValueError, match="must be uint8, got uint8 and float32"):
+        mxfp4.dequantize_halves(packed, scale.astype(jnp.float32))
+
+
 def test_expert_weights_gather_dequantises():
     packed, scale = mxfp4.random_packed(jax.random.key(2), (5, 32, 64))
     ew = ops.ExpertWeights(packed, packed, packed, scale, scale, scale)

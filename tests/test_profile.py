@@ -165,7 +165,7 @@ def test_cli_cpu_inventory_and_faked_cupti(tmp_path, monkeypatch, capsys):
     (["--backend", "triton"], "unknown backend"),
     (["--granularity", "warp"], "unknown granularity"),
     (["--backend", "xla", "--granularity", "per-op"], "xla backend runs XLA ops only"),
-    (["--batch", "0"], "--batch needs an integer >= 1"),
+    (["--batch", "0"], "--batch must be >= 1"),
     (["--context", str(2**40)], "exceeds max_position_embeddings"),
     (["--ep-variant", "carrier-pigeon"], "unknown --ep-variant"),
 ])
