@@ -9,6 +9,7 @@ from k3jax import bench
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.mark.slow
 def test_model_sweep_and_report(tmp_path):
     out = tmp_path / "model.json"
     rc = bench.main(["--model", "--preset", "k3-tiny", "--backends", "xla,pallas", "--granularities",

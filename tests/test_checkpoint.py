@@ -91,6 +91,7 @@ def test_synthetic_is_deterministic_and_seeded(tmp_path):
     assert any(not np.array_equal(e1[n], e3[n]) for n in e1)
 
 
+@pytest.mark.slow
 def test_load_onto_expert_parallel_mesh():
     mesh = Mesh(np.array(jax.devices()), ("ep",))
 
@@ -105,6 +106,7 @@ def test_load_onto_expert_parallel_mesh():
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
 
 
+@pytest.mark.slow
 def test_orbax_roundtrip_and_cli(tmp_path):
     from k3jax.convert import main
     orb, hf = str(tmp_path / "orb"), str(tmp_path / "hf")

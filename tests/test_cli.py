@@ -13,6 +13,7 @@ from k3jax import decode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_cli_runs_and_writes_json(tmp_path):
     out = tmp_path / "run.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

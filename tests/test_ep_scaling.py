@@ -76,6 +76,7 @@ def test_ep_benchmark_dispatch_only_cpu(tmp_path):
                                   for r in rows), rows
 
 
+@pytest.mark.slow
 def test_ep_benchmark_one_process_per_device_cpu(tmp_path):
     """--processes 2: both phases in two jax.distributed processes of one CPU device each (gloo), the
     launch that keeps one host thread per GPU; the layer rows exact like one process, one file."""

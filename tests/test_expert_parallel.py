@@ -240,6 +240,7 @@ def test_pallas_kernel_is_the_local_impl(interpret_on_many_devices):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2 ** -7 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow
 def test_ep_model_with_pallas_moe_matches(interpret_on_many_devices):
     """k3-small (the smallest K3 the Pallas MoE kernel takes) on ep=2, bf16, one decode step at
     batch 2 with the KernelPlan's Pallas moe_experts inside the expert-parallel shard_map: equal

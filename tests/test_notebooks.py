@@ -17,6 +17,7 @@ def test_three_notebooks():
                                            "03_architecture_walkthrough.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
     # The kernel is a fresh process: it inherits this environment, so give it the test setup (CPU).

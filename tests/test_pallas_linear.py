@@ -69,6 +69,7 @@ def test_linear_k3_shapes_gpu(case):
     assert r.passed, r
 
 
+@pytest.mark.slow
 def test_tiny_model_pallas_plan_matches_xla():
     """The swap the issue asks for: model.plan = KernelPlan.for_backend("pallas") (kernels in
     interpret mode here) gives the XLA backend's logits within bf16 tolerance, same greedy ids."""

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import pytest
 
 from k3jax import bench, validate
 from k3jax.backend import REFERENCES, KernelPlan
@@ -91,6 +92,7 @@ def test_kernels_lower_once_per_shape():
     assert len(set(hashes)) == 2, f"expected 2 distinct kernels (two weight shapes), got {len(set(hashes))}"
 
 
+@pytest.mark.slow
 def test_model_parity_cli(tmp_path):
     prefix = str(tmp_path / "parity")
     assert validate.main(["--model", "--preset", "k3-tiny", "--backends", "pallas", "--steps", "3",
@@ -128,6 +130,7 @@ def test_parity_plans_isolate_one_op():
         assert {o: i for o, i in plan.describe().items() if i != "xla"} == {op: "pallas"}
 
 
+@pytest.mark.slow
 def test_every_pallas_kernel_runs_in_the_whole_model(tmp_path):
     """k3-small: every decode op runs its Pallas kernel in interpret mode on CPU (only `linear`
     falls back, for the per-head projections whose 2 output rows are below its 64-row tile; at

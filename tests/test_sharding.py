@@ -119,6 +119,7 @@ def test_sharded_model_matches_single_device(reference, spec):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=2e-6 * scale, err_msg=f"{spec} {name}")
 
 
+@pytest.mark.slow
 def test_from_pretrained_mesh_creates_sharded_and_generates_same_tokens():
     """Sharded creation (jit with out_shardings) gives the unsharded weights; generate() on the
     mesh (state sharded, expert dispatch a2a on CPU) gives the single-device tokens."""
