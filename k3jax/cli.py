@@ -51,6 +51,12 @@ def at_least(flag: str, value: float, minimum: float) -> None:
         raise ValueError(f"{flag} must be >= {minimum:g}, got {value}")
 
 
+def check_ep_variant(variant: str, mesh: str | None) -> None:
+    """ValueError unless --ep-variant is left at auto or comes with a --mesh."""
+    if variant != "auto" and not mesh:
+        raise ValueError(f"--ep-variant {variant} needs --mesh (expert dispatch runs only on a mesh)")
+
+
 def check_writable(path: str, flag: str) -> None:
     """ValueError naming `flag` unless a file can be written at `path`: not a directory, and the
     nearest existing folder above it is a writable folder (the rest is created on writing).

@@ -14,7 +14,7 @@ import sys
 
 from k3jax import atomic, launch
 from k3jax.backend import BACKENDS
-from k3jax.cli import Parser, check_writable, int_list, run_cli
+from k3jax.cli import Parser, at_least, check_ep_variant, check_writable, int_list, run_cli
 from k3jax.moe_parallel import VARIANTS
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
@@ -97,11 +97,9 @@ def prepare(args: argparse.Namespace) -> Request:
     from k3jax.tokenizer import tokenizer_for
     from k3jax.weights import config_of
 
-    for name, value, low in (("--batch-size", args.batch_size, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    if args.ep_variant != "auto" and not args.mesh:
-        raise ValueError(f"--ep-variant {args.ep_variant} needs --mesh (expert dispatch runs only on a mesh)")
+    at_least("--batch-size", args.batch_size, 1)
+    at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_ep_variant(args.ep_variant, args.mesh)
     if args.output:
         check_writable(args.output, "--output")
     changes = {"expert_format": args.experts} if args.experts else {}

@@ -193,13 +193,13 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
         raise TypeError(f"model must be a k3jax.K3Model (k3jax.from_pretrained), got {type(model).__name__}")
     cfg = model.cfg
     seed = check_int("seed", seed)
-    ids, lengths, stop_tokens = check_request(cfg, input_ids, max_new_tokens, sampling, stop_tokens, pad_id)
     key = None if key is None else _check_key(key)
     mesh = sharding.model_mesh(model)
     if mesh is not None and jax.sharding.get_abstract_mesh().empty:
         with jax.set_mesh(mesh):  # a sharded model runs on its mesh (expert dispatch, state layout)
             return generate_with_stats(model, input_ids, max_new_tokens, sampling=sampling, key=key, seed=seed,
                                        stop_tokens=stop_tokens, pad_id=pad_id, progress=progress)
+    ids, lengths, stop_tokens = check_request(cfg, input_ids, max_new_tokens, sampling, stop_tokens, pad_id)
     prompt_lengths = lengths
     if mesh is not None:
         ids = jax.device_put(ids, sharding.batch_sharding(mesh, ids.shape))

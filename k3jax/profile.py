@@ -59,7 +59,7 @@ import jax
 
 from k3jax import atomic, bench
 from k3jax.backend import BACKENDS
-from k3jax.cli import Parser, at_least, check_preset, check_writable, known, run_cli
+from k3jax.cli import Parser, at_least, check_ep_variant, check_preset, check_writable, known, run_cli
 from k3jax.moe_parallel import VARIANTS
 
 # ------------------------------------------------------------------ HLO text -> instruction records
@@ -536,8 +536,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
     for flag, value, low in (("--batch", a.batch, 1), ("--context", a.context, 1), ("--steps", a.steps, 1),
                              ("--warmup", a.warmup, 0)):
         at_least(flag, value, low)
-    if a.ep_variant != "auto" and not a.mesh:
-        raise ValueError(f"--ep-variant {a.ep_variant} needs --mesh (expert dispatch runs only on a mesh)")
+    check_ep_variant(a.ep_variant, a.mesh)
     if a.out:
         check_writable(a.out, "--out")
     check_preset(a.preset)
