@@ -31,7 +31,6 @@ class KernelSpec:
     inputs: tuple[Arg, ...]
     outputs: tuple[Arg, ...]
     divisibility: tuple[tuple[str, int], ...] = ()     # symbol -> required multiple
-    aliases: tuple[tuple[str, str], ...] = ()           # input -> output sharing its buffer (updated in place)
 
     @property
     def target(self) -> str:
@@ -95,30 +94,12 @@ def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
             divisibility=(("I", 32), ("M", rows), ("I8", 4))))
 
 
-def _moe_fused(tokens: int) -> KernelSpec:
-    """moe_fused_t{tokens}: gate/up, SiTU and down in one launch (kernels/mxfp4_moe.py `fused`):
-    z [N, M] -> part [S, M] float32, with hid [S, I] as scratch and the launch's counters in sync,
-    which aliases the zeros input."""
-    return KernelSpec(
-        name=f"moe_fused_t{tokens}", entry="cute_bridge.kernels.mxfp4_moe:fused",
-        inputs=(Arg("z", "bfloat16", ("N", "M")), Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)),
-                Arg("weights", "float32", ("S",)),
-                Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
-                Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32")),
-                Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32")),
-                Arg("glu", "float32", (2,)), Arg("zeros", "int32", ("V",))),
-        outputs=(Arg("hid", "bfloat16", ("S", "I")), Arg("part", "float32", ("S", "M")), Arg("sync", "int32", ("V",))),
-        divisibility=(("M", 64), ("I", 32), ("M8", 4), ("I8", 4)),
-        aliases=(("zeros", "sync"),))
-
-
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec(name="add", entry="cute_bridge.kernels.add:add",
                inputs=(Arg("x", "float32", ("n",)), Arg("y", "float32", ("n",))),
                outputs=(Arg("out", "float32", ("n",)),)),
     *(_gemv(r, kind) for kind in ("", "split") for r in GEMV_ROWS),
     *(spec for r in MOE_BLOCK_ROWS for t in MOE_TOKENS for spec in _moe(t, r)),
-    *(_moe_fused(t) for t in MOE_TOKENS),
 )
 
 BY_NAME = {k.name: k for k in KERNELS}

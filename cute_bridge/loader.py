@@ -116,8 +116,7 @@ def bind(spec: KernelSpec, args, dims: dict[str, int] | None = None) -> dict[str
 
 
 def call(name: str, *args: jax.Array, dims: dict[str, int] | None = None) -> tuple[jax.Array, ...]:
-    """Runs kernel `name` on `args` (its spec's inputs, in order); returns its outputs (an output
-    the spec aliases to an input is that input's buffer, updated in place)."""
+    """Runs kernel `name` on `args` (its spec's inputs, in order); returns its outputs."""
     spec = BY_NAME.get(name)
     if spec is None:
         raise CuteBridgeError(f"no CuTe kernel {name!r}; kernels are {', '.join(BY_NAME)}")
@@ -128,9 +127,7 @@ def call(name: str, *args: jax.Array, dims: dict[str, int] | None = None) -> tup
         load()
     outs = [jax.ShapeDtypeStruct(tuple(sizes[d] if isinstance(d, str) else d for d in a.shape), np.dtype(a.dtype))
             for a in spec.outputs]
-    names_in, names_out = [a.name for a in spec.inputs], [a.name for a in spec.outputs]
-    aliases = {names_in.index(i): names_out.index(o) for i, o in spec.aliases}
-    return tuple(jax.ffi.ffi_call(spec.target, outs, input_output_aliases=aliases or None)(*args))
+    return tuple(jax.ffi.ffi_call(spec.target, outs)(*args))
 
 
 def export_checks() -> list:

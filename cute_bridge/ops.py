@@ -133,17 +133,13 @@ def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: i
 
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64,
-                block_rows: int = MOE_ROWS, launches: int = 2) -> jax.Array:
+                block_rows: int = MOE_ROWS) -> jax.Array:
     """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M].
-    block_rows: expert rows per block, one of kernel_set.MOE_BLOCK_ROWS. launches: 1 runs gate/up,
-    the SiTU and down in one launch (moe_fused_t*) where it applies (block_rows 64, SiTU, M % 64
-    == 0); 2 the two kernels around the XLA GLU."""
+    block_rows: expert rows per block, one of kernel_set.MOE_BLOCK_ROWS."""
     m = z.shape[1]
     inter = experts.w1.shape[1]
     if block_rows not in MOE_BLOCK_ROWS:
         raise ValueError(f"block_rows={block_rows}: compiled MoE kernels take {MOE_BLOCK_ROWS}")
-    if launches not in (1, 2):
-        raise ValueError(f"launches={launches}: the MoE kernels run in 1 (fused) or 2 launches")
     reason = _runnable() or (
         "bf16 experts have no CuTe kernel" if not experts.is_mxfp4 else
         "needs bf16 activations" if z.dtype != jnp.bfloat16 else
@@ -151,34 +147,25 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     if reason:
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
-    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta, block_rows, launches)  # noqa: E731
+    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta, block_rows)  # noqa: E731
     return ops.map_token_chunks(run, z, ids, weights, MOE_TOKENS[-1])
 
 
-def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta, block_rows,
-                launches) -> jax.Array:
+def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta, block_rows) -> jax.Array:
     """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
     n, m = z.shape
     k = ids.shape[1]
-    inter = experts.w1.shape[1]
     tokens = next(t for t in MOE_TOKENS if t >= n)
     uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
-    if m % block_rows or inter % block_rows:
+    if m % block_rows or experts.w1.shape[1] % block_rows:
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
-    codes = (permute_x(z) * x_scale, uniq, slots)
-    w13 = (_words(experts.w1), experts.s1, _words(experts.w3), experts.s3)
-    if launches == 1 and block_rows == MOE_ROWS and act == "situ" and (linear_beta is None or linear_beta > 0):
-        glu = jnp.asarray([beta, linear_beta or 0.0], jnp.float32)
-        counters = jnp.zeros((1 + uniq.shape[0],), jnp.int32)
-        _, part, _ = loader.call(f"moe_fused_t{tokens}", *codes, coef.reshape(-1), *w13, _words(experts.w2),
-                                 experts.s2, glu, counters, dims={"S": n * k})
-    else:
-        kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
-        gate, up = loader.call(f"moe_gate_up_{kernel}", *codes, *w13, dims={"S": n * k})
-        hid = ops.glu(gate, up, act, beta, linear_beta)
-        (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
-                              _words(experts.w2), experts.s2)
+    kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
+    gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+                           experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
+    hid = ops.glu(gate, up, act, beta, linear_beta)
+    (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
+                          _words(experts.w2), experts.s2)
     part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
     return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine
 

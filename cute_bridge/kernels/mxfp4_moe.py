@@ -16,6 +16,10 @@ once. H200, session 9, K3 E=448: batch 1 101.4 us, batch 8 640.2 us (70.8% of th
 per slot, before: 659 us est.), and the k3-h200 batch-8 step 13.40 -> 10.98 ms (the model's
 routing shares experts more than the benchmark's random one). Session 11, 64 rows per block:
 batch 1 94.1 us (69.4%), batch 8 551.7 us (82.1%); the batch-8 step 11.16 -> 10.27 ms.
+Session 13 (ncu, batch 1): latency-bound at 25% occupancy (4 blocks per SM, capped by registers
+and shared memory alike), issue slots 60% busy, DRAM 68%. Capping registers for 5 blocks spills
+(122 us); one launch for gate/up, SiTU and down (per-expert counters; commit 79c928a) gained ~1%
+at batch 1 and lost 10% at batch 8 (BENCHMARKS.md): neither was kept.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
@@ -85,7 +89,6 @@ PAIR_BITS = 0x81C081C0  # sign and magnitude bits of two bf16 codes
 NEG_ZERO2 = 0x80008000  # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
 FACTOR_BIAS = mxfp4.DECODE_FACTOR_BIAS    # bf16 exponent field of the factor = scale byte + FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3jax.mxfp4)
-X_SCALE = 2.0 ** mxfp4.DECODE_X_EXP       # the activations' factor (MOE_X_EXP)
 STAGES = 2              # chunks per warp in flight ahead of the decode
 CODE_ROW = 512          # per warp and stage: codes of rows g + 8 i (512 B each), then the activations:
 X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
@@ -117,28 +120,26 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows, codes=True, acts=True):
-    """Chunk c's codes (rows g + 8 i at addresses code_rows[i]; if `codes`) and activations (this
-    lane's share, if `acts`; xsrc is its token row's address; T = 8: read only if `named`, else
-    zeros are stored: an unnamed column is never stored, and skipping its row keeps the activation
-    traffic to the named columns) into ring `slot` by cp.async; returns the rows' scale bytes (at
-    scale_rows[i]; [] without codes).
+def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows):
+    """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) and activations (this lane's
+    share; xsrc is its token row's address; T = 8: read only if `named`, else zeros are stored: an
+    unnamed column is never stored, and skipping its row keeps the activation traffic to the named
+    columns) into ring `slot` by cp.async; returns the rows' scale bytes (at scale_rows[i]).
     Groups past the end are clamped (their factor is zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
-    if codes:
-        for i, row in enumerate(code_rows):
-            _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
+    for i, row in enumerate(code_rows):
+        _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
     x_off = len(code_rows) * CODE_ROW
-    if acts and tokens == 1:
+    if cutlass.const_expr(tokens == 1):
         x_dst = x_off + (lane // 8) * 80 + (lane % 8) * 8
         _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8, cache="ca")
-    elif acts:
+    else:
         src = xsrc + cutlass.Int64(grp * (GROUP * 2))
         read = cutlass.Int32(named) * 16
         for i in range(4):
             _cp_async(slot + x_off + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
                       cache="ca", src_bytes=read)
-    return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows] if codes else []
+    return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
 
 
 def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
@@ -190,34 +191,15 @@ def _ldg_u8(addr, *, loc=None, ip=None):
                                          "ld.global.nc.u8 $0, [$1];", "=r,l", has_side_effects=True))
 
 
-def _alloc_ring(smem, code_rows: int, tokens: int):
-    """Shared address of the warps' rings (WARPS x STAGES stages of code_rows code rows and the
-    activations of `tokens` columns); one allocation per kernel, whichever path a block takes."""
-    nbytes = WARPS * STAGES * (code_rows * CODE_ROW + X_ROW * tokens)
-    return smem.allocate_tensor(cutlass.Int32, cute.make_layout((nbytes // 4,)), 16).iterator.toint()
-
-
-def _sum_count(tokens: int, row_tiles: int) -> int:
-    """C fragment elements a block sums over its warps: 4 per row tile (T = 1: the column-0 two)."""
-    return row_tiles * (4 if tokens > 1 else 2)
-
-
 @cute.jit
-def _expert_tile(ring, wa, sa, wb, sb, split: cutlass.Constexpr, rows, groups, x: cute.Tensor, e, row0, xrow,
-                 named, acc: cute.Tensor, accs: cutlass.Constexpr, tokens: cutlass.Constexpr,
-                 row_tiles: cutlass.Constexpr, flag, target, wait: cutlass.Constexpr):
+def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
+                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr):
     """acc (per row tile t, accs C fragments; summed into the tile's first at the end) += this
-    warp's chunks of dequant(w[e, rows row0 .. row0 + 16 row_tiles]) @ x[rows of the token columns].T
-    for int32 code words ([E, rows, groups * 4]) with scale bytes ([E, rows, groups]): code rows
-    i < split (rows row0 + g + 8 i) from matrix a (words at global address wa, scales at sa), the
-    rest from matrix b at the same offsets (rows row0 + g + 8 (i - split): a fused gate/up tile).
-    x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane stages (tokens = 1:
-    the one row; 8: token column lane // 4's row, copied if `named`). The row tiles share each
-    chunk's activations: one staging and one shared-memory read per chunk. ring: the shared
-    address from _alloc_ring. wait: x is written by other blocks of this launch; the first STAGES
-    chunks' weights (static) are issued, then the block waits until the counter at global address
-    flag reaches target (_wait_count), and only then any activation is read (cp.async reads are
-    weak loads of the PTX memory model: the acquire orders them whatever cache they pass)."""
+    warp's chunks of dequant(w[e, row0:row0 + 16 row_tiles]) @ x[rows of the token columns].T for
+    int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb ([E,
+    rows, groups]); x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane
+    stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`). The row
+    tiles share each chunk's activations: one staging and one shared-memory read per chunk."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
@@ -228,13 +210,14 @@ def _expert_tile(ring, wa, sa, wb, sb, split: cutlass.Constexpr, rows, groups, x
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
     code_rows = 2 * row_tiles                               # rows g + 8 i of this lane, i < code_rows
     x_off = code_rows * CODE_ROW
+    smem = cutlass.memory.SmemAllocator()
     stage_bytes = x_off + X_ROW * tokens
-    ring = ring + warp * (STAGES * stage_bytes)
-    first = cutlass.Int64(e * rows + r0)
-    w_tops, s_tops = (wa + first * cutlass.Int64(groups * 16), wb + first * cutlass.Int64(groups * 16)), \
-        (sa + first * cutlass.Int64(groups), sb + first * cutlass.Int64(groups))
-    w_rows = [w_tops[i >= split] + cutlass.Int64(8 * (i % split) * groups * 16) for i in range(code_rows)]
-    s_rows = [s_tops[i >= split] + cutlass.Int64(8 * (i % split) * groups) for i in range(code_rows)]
+    ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
+                                16).iterator.toint() + warp * (STAGES * stage_bytes)
+    top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
+    s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
+    w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
+    s_rows = [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)]
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
     x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
     raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
@@ -242,20 +225,10 @@ def _expert_tile(ring, wa, sa, wb, sb, split: cutlass.Constexpr, rows, groups, x
     src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
-            scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src, acts=not wait)
+            scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
             for h in cutlass.range_constexpr(code_rows):
                 raw[code_rows * u + h] = scales[h]
-        if cutlass.const_expr(not wait):
-            cute.arch.cp_async_commit_group()
-    if cutlass.const_expr(wait):
-        # One group for the first chunks' weights, then one per chunk's activations, issued only
-        # after the wait: the loop's wait_group(STAGES - 1) counts the same as without it.
         cute.arch.cp_async_commit_group()
-        _wait_count(flag, target)
-        for u in cutlass.range_constexpr(STAGES):
-            if u < count:
-                _issue(ring + u * stage_bytes, warp + u * WARPS, *src, codes=False)
-            cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
             j = j0 + u
@@ -284,21 +257,22 @@ def _expert_tile(ring, wa, sa, wb, sb, split: cutlass.Constexpr, rows, groups, x
 
 
 @cute.jit
-def _column_sums(acc: cute.Tensor, sums: cute.Tensor, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr,
-                 accs: cutlass.Constexpr):
-    """The four warps' C fragments summed through shared memory `sums` (_sum_count(tokens,
-    row_tiles) x WARPS x LANES float32; one barrier), valid in warp 0: element 4 t + i holds row
-    g + 16 t + 8 (i // 2), token column 2q + i % 2 (T = 1: only the column-0 elements i = 0, 2)."""
+def _column_sums(acc: cute.Tensor, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr, accs: cutlass.Constexpr):
+    """The four warps' C fragments summed through shared memory (one buffer, one barrier), valid in
+    warp 0: element 4 t + i holds row g + 16 t + 8 (i // 2), token column 2q + i % 2 (T = 1: only
+    the column-0 elements i = 0, 2)."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     kept = [4 * t + i for t in range(row_tiles) for i in range(4) if tokens > 1 or i % 2 == 0]
+    smem = cutlass.memory.SmemAllocator()
+    part = smem.allocate_tensor(cutlass.Float32, cute.make_layout((len(kept) * WARPS * LANES,)), 16)
     for n, ti in enumerate(kept):
-        sums[(n * WARPS + tidx // LANES) * LANES + lane] = acc[accs * 4 * (ti // 4) + ti % 4]
+        part[(n * WARPS + tidx // LANES) * LANES + lane] = acc[accs * 4 * (ti // 4) + ti % 4]
     cute.arch.sync_threads()
     total = [None] * (4 * row_tiles)
     for n, ti in enumerate(kept):
         base = n * WARPS * LANES + lane
-        total[ti] = sums[base] + sums[base + LANES] + sums[base + 2 * LANES] + sums[base + 3 * LANES]
+        total[ti] = part[base] + part[base + LANES] + part[base + 2 * LANES] + part[base + 3 * LANES]
     return total
 
 
@@ -331,12 +305,9 @@ def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1
                     w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
                     row_tiles: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
-    tokens = slots.shape[1]
-    smem = cutlass.memory.SmemAllocator()
-    ring = _alloc_ring(smem, 2 * row_tiles, tokens)
-    sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_sum_count(tokens, row_tiles) * WARPS * LANES,)), 16)
     e = experts[u]
     if e < w1.shape[0]:
+        tokens = slots.shape[1]
         accs = GATE_UP_ACCS if cutlass.const_expr(row_tiles == 1) else 1
         tiles = w1.shape[1] // (TILE * row_tiles)
         is_up = bidx >= tiles
@@ -348,9 +319,8 @@ def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1
         wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
         sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
         xrow, named = _token_row(slots, u, tokens, gate.shape[0] // z.shape[0])   # slot // k = token
-        _expert_tile(ring, wb, sb, wb, sb, 2 * row_tiles, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc,
-                     accs, tokens, row_tiles, cutlass.Int64(0), cutlass.Int32(0), False)
-        total = _column_sums(acc, sums, tokens, row_tiles, accs)
+        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles)
+        total = _column_sums(acc, tokens, row_tiles, accs)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
             slot = _slot_of(slots, u, j)
@@ -364,182 +334,29 @@ def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1
                             gate[slot, row + 16 * t + 8 * h] = v.to(gate.element_type)
 
 
-@cute.jit
-def _down_rows(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
-               s2: cute.Tensor, part: cute.Tensor, u, row0, ring, sums: cute.Tensor, row_tiles: cutlass.Constexpr,
-               flag, target, wait: cutlass.Constexpr):
-    """part[slot, row0 .. row0 + 16 row_tiles] for grid row u's named slots (see _expert_tile for
-    flag, target, wait)."""
-    tokens = slots.shape[1]
-    acc = cute.make_rmem_tensor((4 * DOWN_ACCS * row_tiles,), cutlass.Float32)
-    acc.fill(0.0)
-    xrow, named = _token_row(slots, u, tokens, 1)
-    w, s = w2.iterator.toint(), s2.iterator.toint()
-    _expert_tile(ring, w, s, w, s, 2 * row_tiles, w2.shape[1], s2.shape[2], hid, experts[u], row0, xrow, named,
-                 acc, DOWN_ACCS, tokens, row_tiles, flag, target, wait)
-    total = _column_sums(acc, sums, tokens, row_tiles, DOWN_ACCS)
-    row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
-    for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
-        slot = _slot_of(slots, u, j)
-        if slot >= 0:
-            for t in cutlass.range_constexpr(row_tiles):
-                for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
-                    # The reference rounds each expert's output to the activation dtype before combining.
-                    v = total[4 * t + 2 * h + j].to(hid.element_type).to(cutlass.Float32)
-                    part[slot, row + 16 * t + 8 * h] = weights[slot] * v
-
-
 @cute.kernel
 def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
                  w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, row_tiles: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
-    tokens = slots.shape[1]
-    smem = cutlass.memory.SmemAllocator()
-    ring = _alloc_ring(smem, 2 * row_tiles, tokens)
-    sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_sum_count(tokens, row_tiles) * WARPS * LANES,)), 16)
-    if experts[u] < w2.shape[0]:
-        _down_rows(hid, experts, slots, weights, w2, s2, part, u, bidx * (TILE * row_tiles), ring, sums, row_tiles,
-                   cutlass.Int64(0), cutlass.Int32(0), False)
-
-
-# ------------------------------------------------------------------ one launch: gate/up, SiTU, down
-# Block b takes ticket b' = its arrival order (an atomic counter, not blockIdx): tickets below
-# U * I / GLU_ROWS are gate/up blocks (grid row u = b' // (I / GLU_ROWS)), each computing GLU_ROWS
-# rows of both w1 and w3 (four row tiles sharing each activation read), the SiTU, and storing
-# hid = SiTU(gate, up) x 2^MOE_X_EXP in decode order, then counting itself done for u (release);
-# the rest are down blocks of FUSED_DOWN_ROWS rows, which issue their first weight chunks, wait
-# until all of u's gate/up blocks are done (acquire), and only then read hid. A down block's
-# ticket is handed out after every gate/up ticket, and gate/up blocks wait for nothing, so the
-# waits always end (whatever order the GPU starts blocks in).
-GLU_ROWS = 2 * TILE               # hid rows per fused gate/up block
-FUSED_DOWN_ROWS = 4 * TILE        # output rows per fused down block
-SMS = 132                          # H200 multiprocessors: the persistent grid is SMS x FUSED_BLOCKS_PER_SM
-FUSED_BLOCKS_PER_SM = {1: 4, 8: 3}  # resident blocks per SM by token columns (registers; T = 8: shared memory)
-WAIT_SPINS = 1 << 22              # a wait past this many polls (seconds; a real one lasts microseconds) traps
-
-
-@dsl_user_op
-def _ticket(counter, *, loc=None, ip=None):
-    """atomicAdd(counter, 1) at GPU scope (relaxed): this block's arrival order."""
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int64(counter).ir_value(loc=loc, ip=ip)],
-                                         "atom.relaxed.gpu.global.add.u32 $0, [$1], 1;", "=r,l", has_side_effects=True))
-
-
-@dsl_user_op
-def _release_one(counter, *, loc=None, ip=None):
-    """counter += 1 with release semantics at GPU scope, after a GPU-scope fence (thread 0, after
-    a block barrier: publishes every thread's stores before it)."""
-    llvm.inline_asm(None, [cutlass.Int64(counter).ir_value(loc=loc, ip=ip)],
-                    "fence.acq_rel.gpu;\n\tred.release.gpu.global.add.u32 [$0], 1;", "l", has_side_effects=True)
-
-
-@dsl_user_op
-def _acquire_at_least(counter, target, *, loc=None, ip=None):
-    """Polls counter (acquire, GPU scope) until it reaches target, then fences; traps after
-    WAIT_SPINS polls."""
-    asm = "\n\t".join([
-        "{", ".reg .pred p;", ".reg .u32 v, n;", "mov.u32 n, 0;",
-        "K3W${:uid}:", "ld.acquire.gpu.global.u32 v, [$0];", "setp.ge.u32 p, v, $1;", "@p bra.uni K3D${:uid};",
-        "nanosleep.u32 64;", "add.u32 n, n, 1;", f"setp.gt.u32 p, n, {WAIT_SPINS};", "@p trap;",
-        "bra.uni K3W${:uid};", "K3D${:uid}:", "fence.acq_rel.gpu;", "}"])
-    llvm.inline_asm(None, [cutlass.Int64(counter).ir_value(loc=loc, ip=ip), cutlass.Int32(target).ir_value(loc=loc, ip=ip)],
-                    asm, "l,r", has_side_effects=True)
-
-
-@cute.jit
-def _wait_count(flag, target):
-    """The whole block waits until the counter at global address flag reaches target (thread 0
-    polls; the barrier orders every thread's later reads after its acquire)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx == 0:
-        _acquire_at_least(flag, target)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def _situ(gate, up, glu: cute.Tensor):
-    """ops.situ on one element of float32 gate and up (rounded to bf16 first, as the reference's
-    inputs are): glu = [beta, linear_beta] (linear_beta <= 0: none). Float32 result."""
-    g = gate.to(cutlass.BFloat16).to(cutlass.Float32)
-    u = up.to(cutlass.BFloat16).to(cutlass.Float32)
-    beta = glu[0]
-    linear_beta = glu[1]
-    act = beta * cute.math.tanh(g / beta) * (1.0 / (1.0 + cute.math.exp(-g)))
-    if linear_beta > 0.0:
-        u = linear_beta * cute.math.tanh(u / linear_beta)
-    return act * u
-
-
-@cute.jit
-def _gate_up_glu_rows(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
-                      w3: cute.Tensor, s3: cute.Tensor, glu: cute.Tensor, hid: cute.Tensor, u, row0, ring,
-                      sums: cute.Tensor):
-    """hid[slot, decode_col(row0 .. row0 + GLU_ROWS)] = SiTU(gate, up) x 2^MOE_X_EXP (bf16) for grid
-    row u's named slots: row tiles 0, 1 are w1's rows, 2, 3 the same rows of w3."""
-    tokens = slots.shape[1]
-    acc = cute.make_rmem_tensor((16,), cutlass.Float32)
-    acc.fill(0.0)
-    xrow, named = _token_row(slots, u, tokens, hid.shape[0] // z.shape[0])   # slot // k = token
-    _expert_tile(ring, w1.iterator.toint(), s1.iterator.toint(), w3.iterator.toint(), s3.iterator.toint(), 4,
-                 w1.shape[1], s1.shape[2], z, experts[u], row0, xrow, named, acc, 1, tokens, 4,
-                 cutlass.Int64(0), cutlass.Int32(0), False)
-    total = _column_sums(acc, sums, tokens, 4, 1)
-    g = (cute.arch.thread_idx()[0] % LANES) // 4
-    col = row0 + 2 * (g % 4) + g // 4          # row row0 + g + 8 i's column in decode order, less 8 i
-    for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
-        slot = _slot_of(slots, u, j)
-        if slot >= 0:
-            for t in cutlass.range_constexpr(2):
-                for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
-                    v = _situ(total[4 * t + 2 * h + j], total[4 * (t + 2) + 2 * h + j], glu)
-                    v = v.to(cutlass.BFloat16).to(cutlass.Float32) * X_SCALE   # exact
-                    hid[slot, col + 16 * t + 8 * h] = v.to(hid.element_type)
-
-
-@cute.kernel
-def _fused_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w1: cute.Tensor,
-                  s1: cute.Tensor, w3: cute.Tensor, s3: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor,
-                  glu: cute.Tensor, hid: cute.Tensor, part: cute.Tensor, sync: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    tokens = slots.shape[1]
-    smem = cutlass.memory.SmemAllocator()
-    ring = _alloc_ring(smem, 8, tokens)
-    sums = smem.allocate_tensor(cutlass.Float32, cute.make_layout((_sum_count(tokens, 4) * WARPS * LANES,)), 16)
-    cell = smem.allocate_tensor(cutlass.Int32, cute.make_layout((2,)), 4)   # the next ticket, by parity
-    counters = sync.iterator.toint()              # [0]: tickets; [1 + u]: grid row u's finished gate/up blocks
-    per_row = w1.shape[1] // GLU_ROWS
-    down_blocks = w2.shape[1] // FUSED_DOWN_ROWS
-    gate_blocks = experts.shape[0] * per_row
-    items = gate_blocks + experts.shape[0] * down_blocks
-    if tidx == 0:
-        cell[0] = _ticket(counters)
-    cute.arch.sync_threads()
-    ticket = cell[0]
-    parity = cutlass.Int32(0)
-    while ticket < items:
-        nxt = cutlass.Int32(0)
-        if tidx == 0:
-            nxt = _ticket(counters)               # taken now, used at the end: its latency hides behind this item
-        if ticket < gate_blocks:
-            u = ticket // per_row
-            # A padding grid row, or (one token) a repeated id's, stores nothing.
-            if experts[u] < w1.shape[0] and (tokens > 1 or slots[u, 0] >= 0):
-                _gate_up_glu_rows(z, experts, slots, w1, s1, w3, s3, glu, hid, u, (ticket - u * per_row) * GLU_ROWS,
-                                  ring, sums)
-            cute.arch.sync_threads()              # every hid store of the block before the count
-            if tidx == 0:
-                _release_one(counters + cutlass.Int64(4 * (1 + u)))
-        else:
-            d = ticket - gate_blocks
-            u = d // down_blocks
-            if experts[u] < w2.shape[0] and (tokens > 1 or slots[u, 0] >= 0):
-                _down_rows(hid, experts, slots, weights, w2, s2, part, u, (d - u * down_blocks) * FUSED_DOWN_ROWS,
-                           ring, sums, 4, counters + cutlass.Int64(4 * (1 + u)), per_row, True)
-        parity = 1 - parity
-        if tidx == 0:
-            cell[parity] = nxt
-        cute.arch.sync_threads()                  # the next ticket seen by all; this item's shared memory free
-        ticket = cell[parity]
+    e = experts[u]
+    if e < w2.shape[0]:
+        tokens = slots.shape[1]
+        row0 = bidx * (TILE * row_tiles)
+        acc = cute.make_rmem_tensor((4 * DOWN_ACCS * row_tiles,), cutlass.Float32)
+        acc.fill(0.0)
+        xrow, named = _token_row(slots, u, tokens, 1)
+        _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, e, row0, xrow, named,
+                     acc, DOWN_ACCS, tokens, row_tiles)
+        total = _column_sums(acc, tokens, row_tiles, DOWN_ACCS)
+        row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
+        for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
+            slot = _slot_of(slots, u, j)
+            if slot >= 0:
+                for t in cutlass.range_constexpr(row_tiles):
+                    for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
+                        # The reference rounds each expert's output to the activation dtype before combining.
+                        v = total[4 * t + 2 * h + j].to(hid.element_type).to(cutlass.Float32)
+                        part[slot, row + 16 * t + 8 * h] = weights[slot] * v
 
 
 def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, rows: int):
@@ -584,19 +401,3 @@ def down_rows64(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weig
                 s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
     """`down` with 64 rows per block (M % 64 == 0)."""
     _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE)
-
-
-@cute.jit
-def fused(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w1: cute.Tensor,
-          s1: cute.Tensor, w3: cute.Tensor, s3: cute.Tensor, w2: cute.Tensor, s2: cute.Tensor, glu: cute.Tensor,
-          zeros: cute.Tensor, hid: cute.Tensor, part: cute.Tensor, sync: cute.Tensor, stream: cuda.CUstream):
-    """gate_up, SiTU and down in one launch: z, experts, slots, weights and the weights as for
-    gate_up and down, glu [2] float32 = (beta, linear_beta or 0), zeros int32 [1 + U] (XLA's zeros,
-    the same buffer as sync) -> hid [S, I] bf16 (scratch: decode order, times 2^MOE_X_EXP), part
-    [S, M] float32 at the named slots, sync (the counters). I % GLU_ROWS == 0, M % FUSED_DOWN_ROWS == 0."""
-    items = experts.shape[0] * (w1.shape[1] // GLU_ROWS + w2.shape[1] // FUSED_DOWN_ROWS)
-    grid = (cutlass.min(items, SMS * FUSED_BLOCKS_PER_SM[slots.shape[1]]), 1, 1)
-    # Registers capped so the resident blocks fit (ptxas); shared memory carved out to its maximum.
-    _fused_kernel(z, experts, slots, weights, w1, s1, w3, s3, w2, s2, glu, hid, part, sync).launch(
-        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream, min_blocks_per_mp=FUSED_BLOCKS_PER_SM[slots.shape[1]],
-        preferred_smem_carveout=100)
