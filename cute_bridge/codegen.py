@@ -4,8 +4,9 @@
 plus `dynamic_shapes` / `dynamic_strides` arrays for symbolic dimensions) and a wrapper
 `cute_dsl_<name>_wrapper(module, tensors..., cudaStream_t)`. `parse_header` reads those back and
 `ffi_source` emits one C++ file with, per kernel, an XLA FFI handler (instantiate: load the
-cubin once, outside any CUDA graph capture; execute: fill the structs from XLA's buffers and
-launch on XLA's stream) and a `k3cute_kernel_set()` symbol naming the kernel-set hash.
+cubin once, outside any CUDA graph capture, and set the spec's shared-memory carveout; execute:
+fill the structs from XLA's buffers and launch on XLA's stream) and a `k3cute_kernel_set()`
+symbol naming the kernel-set hash.
 """
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ def ffi_source(specs: list[KernelSpec], headers: dict[str, Header], kernel_set_h
            "#define CUTE_DSL_CUDA_ERROR_CHECK(err) { cudaError_t e_ = (err); "
            "if (e_ != cudaSuccess && k3cute_load_error == cudaSuccess) k3cute_load_error = e_; }"]
     out += [f'#include "{s.name}.h"' for s in specs]
+    out += ["// The preferred shared-memory carveout (percent) of every kernel of a loaded library, on",
+            "// every device: the driver's default may leave less shared memory than the resident blocks need.",
+            "static cudaError_t k3cute_carveout(cudaLibrary_t lib, int percent) {",
+            "  unsigned int count = 0;",
+            "  cudaError_t err = cudaLibraryGetKernelCount(&count, lib);",
+            "  if (err != cudaSuccess || count == 0) return err;",
+            "  cudaKernel_t kernels[16];",
+            "  if (count > 16) count = 16;",
+            "  if ((err = cudaLibraryEnumerateKernels(kernels, count, lib)) != cudaSuccess) return err;",
+            "  int devices = 0;",
+            "  if ((err = cudaGetDeviceCount(&devices)) != cudaSuccess) return err;",
+            "  for (unsigned int k = 0; k < count; ++k)",
+            "    for (int d = 0; d < devices; ++d)",
+            "      if ((err = cudaKernelSetAttributeForDevice(kernels[k], cudaFuncAttributePreferredSharedMemoryCarveout, "
+            "percent, d)) != cudaSuccess) return err;",
+            "  return cudaSuccess;",
+            "}"]
     out += ['#include "xla/ffi/api/ffi.h"', "namespace ffi = xla::ffi;",
             f'extern "C" __attribute__((visibility("default"))) const char* k3cute_kernel_set() {{ return "{kernel_set_hash}"; }}']
     for s in specs:
@@ -117,7 +135,9 @@ def ffi_source(specs: list[KernelSpec], headers: dict[str, Header], kernel_set_h
             f"static cudaError_t {n}_status = cudaSuccess;",
             f"static ffi::Error {n}_load() {{",
             f"  std::call_once({n}_once, [] {{ k3cute_load_error = cudaSuccess; {n}_Kernel_Module_Load(&{n}_module); "
-            f"{n}_status = k3cute_load_error; }});",
+            + (f"if (k3cute_load_error == cudaSuccess) k3cute_load_error = k3cute_carveout({n}_module.module, "
+               f"{s.smem_carveout}); " if s.smem_carveout is not None else "")
+            + f"{n}_status = k3cute_load_error; }});",
             f"  if ({n}_status != cudaSuccess) return ffi::Error(ffi::ErrorCode::kInternal, "
             f"std::string(\"{n}: loading the kernel module failed: \") + cudaGetErrorString({n}_status));",
             "  return ffi::Error::Success();",

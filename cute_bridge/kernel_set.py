@@ -31,6 +31,7 @@ class KernelSpec:
     inputs: tuple[Arg, ...]
     outputs: tuple[Arg, ...]
     divisibility: tuple[tuple[str, int], ...] = ()     # symbol -> required multiple
+    smem_carveout: int | None = None                    # preferred shared-memory carveout (percent), set at load
 
     @property
     def target(self) -> str:
@@ -75,9 +76,13 @@ MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or fo
 def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
     """(moe_gate_up_t{tokens}: z [N, M] -> gate, up [S, I] bf16; moe_down_t{tokens}: hid [S, I],
     weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]; `rows` per
-    block (names end in _rows{rows} past 16)."""
+    block (names end in _rows{rows} past 16). Past 16 rows the blocks stage each chunk's scale words
+    (4 groups) in shared memory, so the input dimension must hold a multiple of 4 groups (128
+    values), and they ask for the largest shared-memory carveout (a fifth block per SM)."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
     suffix = "" if rows == 16 else f"_rows{rows}"
+    words = (("M32", 4),) if rows > 16 else ()           # gate/up's input dimension; down's: I32
+    carveout = 100 if rows > 16 else None
     return (
         KernelSpec(
             name=f"moe_gate_up_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:gate_up{suffix}",
@@ -85,13 +90,14 @@ def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
                     Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
                     Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
             outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
-            divisibility=(("M", 32), ("I", rows), ("M8", 4))),
+            divisibility=(("M", 32), ("I", rows), ("M8", 4), *words), smem_carveout=carveout),
         KernelSpec(
             name=f"moe_down_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:down{suffix}",
             inputs=(Arg("hid", "bfloat16", ("S", "I")), *route, Arg("weights", "float32", ("S",)),
                     Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
             outputs=(Arg("part", "float32", ("S", "M")),),
-            divisibility=(("I", 32), ("M", rows), ("I8", 4))))
+            divisibility=(("I", 32), ("M", rows), ("I8", 4), *((("I32", 4),) if rows > 16 else ())),
+            smem_carveout=carveout))
 
 
 KERNELS: tuple[KernelSpec, ...] = (

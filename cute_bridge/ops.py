@@ -17,7 +17,7 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 activations permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64);
                 exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192). A block
                 owns MOE_ROWS = 64 expert rows (four MMA row tiles sharing each activation read;
-                the `_rows64` kernels) when M and I divide by 64, else 16 (`block_rows=16` forces
+                the `_rows64` kernels) when M and I divide by 128, else 16 (`block_rows=16` forces
                 it). H200, K3 E=448 (session 11): 16 / 32 / 64 / 128 rows per block 101.5 / 98.8 /
                 94.1 / 109.4 us at batch 1, 639.6 / 553.7 / 551.7 / 643.3 us at batch 8.
 """
@@ -47,6 +47,7 @@ SIMT_MIN_ROWS = 1024      # one x row and at least this many outputs: gemv_r1 (S
 # GEMV, but the step's XLA GEMVs need no separate launch for their input and output glue).
 GEMV_MIN_ROWS = 2
 MOE_ROWS = 64             # expert rows per MoE block where M and I divide (module doc)
+MOE_WIDE_MULTIPLE = 128   # M and I for blocks past 16 rows: 64 rows, and 4 scale groups per chunk (kernel_set)
 
 
 def _runnable() -> str | None:
@@ -158,7 +159,7 @@ def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_b
     tokens = next(t for t in MOE_TOKENS if t >= n)
     uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
-    if m % block_rows or experts.w1.shape[1] % block_rows:
+    if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
     kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
     gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),

@@ -35,6 +35,19 @@ def test_build_is_cached_and_complete(library):
         codegen.check_matches(spec, codegen.parse_header((out_dir / f"{spec.name}.h").read_text(), spec.name))
 
 
+def test_generated_glue_sets_each_specs_carveout(library):
+    """A spec's shared-memory carveout is set when its module loads, and only for that spec: the
+    64-row MoE kernels ask for the largest (a fifth block per SM), the others keep the default."""
+    source = (library.parent / kernel_set_hash() / "k3cute_ffi.cc").read_text()
+    wide = {s.name for s in KERNELS if s.smem_carveout is not None}
+    assert wide == {f"moe_{op}_t{t}_rows64" for op in ("gate_up", "down") for t in (1, 8)}
+    for spec in KERNELS:
+        call = f"k3cute_carveout({spec.name}_module.module, "
+        assert (call in source) == (spec.name in wide), spec.name
+        if spec.name in wide:
+            assert f"{call}{spec.smem_carveout})" in source
+
+
 def test_library_links_and_names_its_kernel_set(library):
     lib = ctypes.CDLL(str(library))
     lib.k3cute_kernel_set.restype = ctypes.c_char_p

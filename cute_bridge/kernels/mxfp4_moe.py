@@ -19,7 +19,9 @@ batch 1 94.1 us (69.4%), batch 8 551.7 us (82.1%); the batch-8 step 11.16 -> 10.
 Session 13 (ncu, batch 1): latency-bound at 25% occupancy (4 blocks per SM, capped by registers
 and shared memory alike), issue slots 60% busy, DRAM 68%. Capping registers for 5 blocks spills
 (122 us); one launch for gate/up, SiTU and down (per-expert counters; commit 79c928a) gained ~1%
-at batch 1 and lost 10% at batch 8 (BENCHMARKS.md): neither was kept.
+at batch 1 and lost 10% at batch 8 (BENCHMARKS.md): neither was kept. The 64-row blocks' scale
+bytes through the ring instead of registers (below): 112 / 116 -> 96 registers, no spills; batch 1
+95.7 us (unchanged), batch 8 552.0 -> 527.4 us (85.9%).
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
@@ -37,7 +39,8 @@ registers and shared memory cost occupancy).
 Streaming: each warp has a STAGES-deep ring of its own in shared memory. Per chunk every lane
 issues `cp.async` of its 2R x 16 bytes of codes and its share of the chunk's activations (T = 1:
 8 of one row's 256 bytes; T = 8: one 64-byte group of one row, as 4 x 16),
-and loads its 2R scale bytes into registers, STAGES chunks ahead of the decode; the decode
+and loads its 2R scale bytes into registers (64-row blocks: copies 2 of the 8 rows' 4-byte
+scale words into the slot, which the decode reads back per row), STAGES chunks ahead of the decode; the decode
 waits for the chunk's group (`cp.async.wait_group`), reads the slot back (16-byte `ld.shared`,
 the x groups 80 bytes apart and the rows 320, so the lanes of each 8-lane phase hit distinct
 banks) and refills it. Warp syncs
@@ -92,6 +95,7 @@ EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3
 STAGES = 2              # chunks per warp in flight ahead of the decode
 CODE_ROW = 512          # per warp and stage: codes of rows g + 8 i (512 B each), then the activations:
 X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
+SCALE_STAGE = 8 * 8 * 4  # then (eight code rows) the scale words: rows g + 8 i, 4 groups each
 # Independent MMA accumulator chains per warp and row tile (session 7, H200, 16-row blocks: two
 # made gate_up 2.6% faster and down 9% slower at batch 1, 2.6% / 7% at batch 8). A 32-row block's
 # two row tiles are two chains already.
@@ -120,12 +124,15 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows):
+def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows, scale_off=None):
     """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) and activations (this lane's
     share; xsrc is its token row's address; T = 8: read only if `named`, else zeros are stored: an
     unnamed column is never stored, and skipping its row keeps the activation traffic to the named
-    columns) into ring `slot` by cp.async; returns the rows' scale bytes (at scale_rows[i]).
-    Groups past the end are clamped (their factor is zeroed by the caller)."""
+    columns) into ring `slot` by cp.async; returns the rows' scale bytes (at scale_rows[i]), or,
+    with scale_off (8 code rows), copies the chunk's scale words into the slot instead: this lane
+    the 4 bytes (groups 4c .. 4c + 3, one per lane q) of rows g + 8 i, i = 2q, 2q + 1, at
+    scale_rows[0], scale_rows[1] (returns []). Groups past the end are clamped (their factor is
+    zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
     for i, row in enumerate(code_rows):
         _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
@@ -139,7 +146,12 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
         for i in range(4):
             _cp_async(slot + x_off + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
                       cache="ca", src_bytes=read)
-    return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
+    if scale_off is None:
+        return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
+    g = lane // 4
+    for m, row in enumerate(scale_rows):
+        _cp_async(slot + scale_off + ((2 * q + m) * 8 + g) * 4, row + cutlass.Int64(c * CHUNK_GROUPS), 4, cache="ca")
+    return []
 
 
 def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
@@ -185,6 +197,13 @@ def _lds128(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def _lds_u8(addr, *, loc=None, ip=None):
+    """The byte at shared address addr, zero-extended to Int32."""
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(addr).ir_value(loc=loc, ip=ip)],
+                                         "ld.shared.u8 $0, [$1];", "=r,r", has_side_effects=True))
+
+
+@dsl_user_op
 def _ldg_u8(addr, *, loc=None, ip=None):
     """The byte at global address addr, zero-extended to Int32."""
     return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
@@ -210,24 +229,30 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
     code_rows = 2 * row_tiles                               # rows g + 8 i of this lane, i < code_rows
     x_off = code_rows * CODE_ROW
+    # Eight code rows: the scale bytes travel through the ring (16 registers and 12 address
+    # registers fewer per lane than holding them in flight: a fifth block per SM); needs groups % 4 == 0.
+    smem_scales = code_rows == 2 * CHUNK_GROUPS
+    scale_off = x_off + X_ROW * tokens
     smem = cutlass.memory.SmemAllocator()
-    stage_bytes = x_off + X_ROW * tokens
+    stage_bytes = scale_off + (SCALE_STAGE if smem_scales else 0)
     ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
     top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
     s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
     w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
-    s_rows = [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)]
+    s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
+              else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
     x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
     raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
 
-    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows)
+    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows, scale_off if smem_scales else None)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
             scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
-            for h in cutlass.range_constexpr(code_rows):
-                raw[code_rows * u + h] = scales[h]
+            if cutlass.const_expr(not smem_scales):
+                for h in cutlass.range_constexpr(code_rows):
+                    raw[code_rows * u + h] = scales[h]
         cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
@@ -241,13 +266,17 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
                 xs = [_lds128(slot + x_read + k * 16) for k in range(4)]
                 c = warp + j * WARPS
                 valid = cutlass.Int32(c * CHUNK_GROUPS + q < groups)
-                factors = [(raw[code_rows * u + h] + FACTOR_BIAS) * (valid * cutlass.Int32(raw[code_rows * u + h] != 0))
-                           * 0x00800080 for h in range(code_rows)]
+                if cutlass.const_expr(smem_scales):
+                    bytes_ = [_lds_u8(slot + scale_off + (h * 8 + lane // 4) * 4 + q) for h in range(code_rows)]
+                else:
+                    bytes_ = [raw[code_rows * u + h] for h in range(code_rows)]
+                factors = [(b + FACTOR_BIAS) * (valid * cutlass.Int32(b != 0)) * 0x00800080 for b in bytes_]
                 cute.arch.sync_warp()                      # slot u read by every lane: refill it
                 if j + STAGES < count:
                     scales = _issue(slot, c + STAGES * WARPS, *src)
-                    for h in cutlass.range_constexpr(code_rows):
-                        raw[code_rows * u + h] = scales[h]
+                    if cutlass.const_expr(not smem_scales):
+                        for h in cutlass.range_constexpr(code_rows):
+                            raw[code_rows * u + h] = scales[h]
                 cute.arch.cp_async_commit_group()
                 _mma_chunk(codes, factors, xs, acc, accs)
     if cutlass.const_expr(accs == 2):
