@@ -121,11 +121,13 @@ def test_registered_ops_export_at_k3_decode_shapes():
     assert _calls(_export(cute_ops.linear, S((5, d), jnp.bfloat16), S((12288, d), jnp.bfloat16)), "gemv_r8")
 
 
-def test_moe_block_rows_are_compiled_ones_and_fall_back_to_one_tile():
-    """block_rows must name compiled kernels; shapes 64 rows do not divide run 16-row blocks."""
-    e, m, inter, k = 8, 256, 96, 2
+@pytest.mark.parametrize("m,inter", [(256, 96), (192, 128), (256, 192)])
+def test_moe_block_rows_are_compiled_ones_and_fall_back_to_one_tile(m, inter):
+    """block_rows must name compiled kernels; shapes the 64-row kernels do not take (M and I
+    multiples of 128: 64 rows, and 4 scale groups per chunk) run 16-row blocks."""
+    e, k = 8, 2
     args = (S((1, m), jnp.bfloat16), S((1, k), jnp.int32), S((1, k), jnp.float32), *_packed_experts(e, m, inter))
-    text = _export(_experts, *args)                                     # I = 96: not a multiple of 64
+    text = _export(_experts, *args)
     assert _calls(text, "moe_gate_up_t1", "moe_down_t1")
     assert not _calls(text, "moe_gate_up_t1_rows64") and not _calls(text, "moe_down_t1_rows64")
     with pytest.raises(ValueError, match=r"block_rows=24: compiled MoE kernels take \(16, 64\)"):
