@@ -71,6 +71,7 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
 MOE_X_EXP = mxfp4.DECODE_X_EXP
 MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops chunks more tokens
 MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or four sharing each activation read
+MOE_WIDE_MULTIPLE = 128         # M and I of the blocks past 16 rows: 64 rows, and whole 4-group scale words
 
 
 def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
@@ -81,8 +82,9 @@ def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
     values), and they ask for the largest shared-memory carveout (a fifth block per SM)."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
     suffix = "" if rows == 16 else f"_rows{rows}"
-    words = (("M32", 4),) if rows > 16 else ()           # gate/up's input dimension; down's: I32
-    carveout = 100 if rows > 16 else None
+    wide = rows > MOE_BLOCK_ROWS[0]
+    words = lambda groups: ((groups, MOE_WIDE_MULTIPLE // 32),) if wide else ()   # noqa: E731 - scale groups per row
+    carveout = 100 if wide else None
     return (
         KernelSpec(
             name=f"moe_gate_up_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:gate_up{suffix}",
@@ -90,14 +92,13 @@ def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
                     Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
                     Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
             outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
-            divisibility=(("M", 32), ("I", rows), ("M8", 4), *words), smem_carveout=carveout),
+            divisibility=(("M", 32), ("I", rows), ("M8", 4), *words("M32")), smem_carveout=carveout),
         KernelSpec(
             name=f"moe_down_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:down{suffix}",
             inputs=(Arg("hid", "bfloat16", ("S", "I")), *route, Arg("weights", "float32", ("S",)),
                     Arg("w2", "int32", ("E", "M", "I8")), Arg("s2", "uint8", ("E", "M", "I32"))),
             outputs=(Arg("part", "float32", ("S", "M")),),
-            divisibility=(("I", 32), ("M", rows), ("I8", 4), *((("I32", 4),) if rows > 16 else ())),
-            smem_carveout=carveout))
+            divisibility=(("I", 32), ("M", rows), ("I8", 4), *words("I32")), smem_carveout=carveout))
 
 
 KERNELS: tuple[KernelSpec, ...] = (

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from cute_bridge import loader
-from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_X_EXP
+from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_WIDE_MULTIPLE, MOE_X_EXP
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
 
@@ -47,7 +47,6 @@ SIMT_MIN_ROWS = 1024      # one x row and at least this many outputs: gemv_r1 (S
 # GEMV, but the step's XLA GEMVs need no separate launch for their input and output glue).
 GEMV_MIN_ROWS = 2
 MOE_ROWS = 64             # expert rows per MoE block where M and I divide (module doc)
-MOE_WIDE_MULTIPLE = 128   # M and I for blocks past 16 rows: 64 rows, and 4 scale groups per chunk (kernel_set)
 
 
 def _runnable() -> str | None:

@@ -71,18 +71,23 @@ def test_gemv_split_partials(rows, n, k, splits):
 @pytest.mark.parametrize("block_rows", [16, 64])
 def test_moe_experts(n, top_k, e, m, inter, scale_exp, act, block_rows):
     from cute_bridge import ops as cute_ops
-    ks = jax.random.split(jax.random.key(n * 7 + e), 6)
-    p1, s1 = mxfp4.random_packed(ks[0], (e, inter, m), scale_exp)
-    p3, s3 = mxfp4.random_packed(ks[1], (e, inter, m), scale_exp)
-    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter), scale_exp)
-    experts = ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
-    ids = jax.vmap(lambda r: jax.random.permutation(r, e)[:top_k])(jax.random.split(ks[3], n)).astype(jnp.int32)
-    w = jax.nn.softmax(jax.random.normal(ks[4], (n, top_k)), -1)
-    z = jax.random.normal(ks[5], (n, m), jnp.bfloat16)
+    z, ids, w, experts = _random_moe(n * 7 + e, n, top_k, e, m, inter, scale_exp)
     kw = dict(act=act, beta=4.0, linear_beta=25.0)
     _poison_moe(n, top_k, m, inter)
     out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw, block_rows=block_rows))(z, ids, w, experts)
     assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
+
+
+def _random_moe(seed, n, top_k, e, m, inter, scale_exp):
+    """z [n, m] bf16, distinct ids [n, top_k] of e experts, softmax weights, MXFP4 experts."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    p1, s1 = mxfp4.random_packed(ks[0], (e, inter, m), scale_exp)
+    p3, s3 = mxfp4.random_packed(ks[1], (e, inter, m), scale_exp)
+    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter), scale_exp)
+    ids = jax.vmap(lambda r: jax.random.permutation(r, e)[:top_k])(jax.random.split(ks[3], n)).astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[4], (n, top_k)), -1)
+    z = jax.random.normal(ks[5], (n, m), jnp.bfloat16)
+    return z, ids, w, ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
 
 
 def _poison_moe(n, top_k, m, inter):
@@ -121,14 +126,7 @@ def test_moe_experts_shared_and_repeated_ids(ids, block_rows):
 def test_moe_experts_are_deterministic(n):
     """Every output element comes from one block summing in a fixed order: bitwise repeatable."""
     from cute_bridge import ops as cute_ops
-    e, m, inter, top_k = 64, 3584, 3072, 16
-    ks = jax.random.split(jax.random.key(11), 6)
-    (p1, s1), (p3, s3) = (mxfp4.random_packed(kk, (e, inter, m), -7) for kk in ks[:2])
-    p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter), -7)
-    experts = ops.ExpertWeights(p1, p3, p2, s1, s3, s2)
-    ids = jax.vmap(lambda r: jax.random.permutation(r, e)[:top_k])(jax.random.split(ks[3], n)).astype(jnp.int32)
-    w = jax.nn.softmax(jax.random.normal(ks[4], (n, top_k)), -1)
-    z = jax.random.normal(ks[5], (n, m), jnp.bfloat16)
+    z, ids, w, experts = _random_moe(11, n, 16, 64, 3584, 3072, -7)
     run = jax.jit(lambda *a: cute_ops.moe_experts(*a, act="situ", beta=4.0, linear_beta=25.0))
     outs = [np.asarray(run(z, ids, w, experts)) for _ in range(4)]
     for o in outs[1:]:

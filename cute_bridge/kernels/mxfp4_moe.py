@@ -244,7 +244,8 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
               else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
     x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
-    raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
+    if cutlass.const_expr(not smem_scales):
+        raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
 
     src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows, scale_off if smem_scales else None)
     for u in cutlass.range_constexpr(STAGES):
