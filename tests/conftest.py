@@ -30,6 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def child_xla_flags():
+    """XLA_FLAGS for a child process that sets up its own CPU devices (notebook kernels, multi-process
+    launches): this session's flags without the 8 fake devices, so it compiles unoptimised too."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+@pytest.fixture
 def counting_plan():
     """plan -> (the same KernelPlan, recording the op name of every implementation it hands out,
     and that list of names)."""

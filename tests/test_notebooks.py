@@ -19,11 +19,11 @@ def test_three_notebooks():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, child_xla_flags):
     # The kernel is a fresh process: it inherits this environment, so give it the test setup (CPU).
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.delenv("MPLBACKEND", raising=False)   # the kernel's inline backend renders PNGs
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", child_xla_flags)   # one CPU device, unoptimised compiles
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
