@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,46 @@ def compile_kernel(spec: KernelSpec, obj_dir: pathlib.Path) -> None:
     compiled.export_to_c(str(obj_dir), spec.name, function_prefix=spec.name)
 
 
+# .nv.info attributes of an sm_90a cubin (format 4: a u32 function index, then a u32 value).
+EIATTR_FRAME_SIZE, EIATTR_REGCOUNT = 0x11, 0x2F
+
+
+def kernel_resources(obj: pathlib.Path) -> dict[str, int]:
+    """{"registers": per thread, "frame_bytes": local memory per thread (spills and stack arrays;
+    0: none)} of the kernel in an object `export_to_c` wrote, read from the cubin it embeds (no
+    GPU tools needed: what `ptxas -v` reports)."""
+    blob = obj.read_bytes()
+    start = blob.find(b"\x7fELF\x02\x01\x01")
+    while start >= 0 and struct.unpack_from("<H", blob, start + 18)[0] != 190:     # EM_CUDA
+        start = blob.find(b"\x7fELF\x02\x01\x01", start + 1)
+    if start < 0:
+        raise RuntimeError(f"{obj}: no CUDA cubin inside")
+    elf = blob[start:]
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+    strtab = sections[names][4]
+    out = {}
+    for name_off, _, _, _, off, size, *_ in sections:
+        if elf[strtab + name_off: elf.index(b"\0", strtab + name_off)] != b".nv.info":
+            continue
+        i = off
+        while i + 4 <= off + size:
+            fmt, attr, length = elf[i], elf[i + 1], struct.unpack_from("<H", elf, i + 2)[0]
+            if fmt == 4:
+                value = struct.unpack_from("<I", elf, i + 8)[0]
+                if attr == EIATTR_REGCOUNT:
+                    out["registers"] = value
+                elif attr == EIATTR_FRAME_SIZE:
+                    out["frame_bytes"] = value
+                i += 4 + length
+            else:
+                i += 4
+    if "registers" not in out:
+        raise RuntimeError(f"{obj}: the cubin states no register count")
+    return {"frame_bytes": 0, **out}
+
+
 def link(obj_dir: pathlib.Path, source: pathlib.Path, out: pathlib.Path) -> None:
     import jax.ffi
     import nvidia_cutlass_dsl
@@ -99,20 +140,23 @@ def build(force: bool = False, root: pathlib.Path = BUILD_ROOT, verbose: bool = 
         root.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f".{digest}-"))
         try:
-            headers = {}
+            headers, resources = {}, {}
             for spec in KERNELS:
                 t = time.perf_counter()
                 compile_kernel(spec, tmp)
                 headers[spec.name] = codegen.parse_header((tmp / f"{spec.name}.h").read_text(), spec.name)
                 codegen.check_matches(spec, headers[spec.name])
+                resources[spec.name] = res = kernel_resources(tmp / f"{spec.name}.o")
                 if verbose:
-                    print(f"cute_bridge.build: compiled {spec.name} ({time.perf_counter() - t:.1f} s)")
+                    spills = f"{res['frame_bytes']} B of local memory" if res["frame_bytes"] else "no spills"
+                    print(f"cute_bridge.build: compiled {spec.name} ({time.perf_counter() - t:.1f} s, "
+                          f"{res['registers']} registers, {spills})")
             source = tmp / "k3cute_ffi.cc"
             source.write_text(codegen.ffi_source(list(KERNELS), headers, digest))
             link(tmp, source, tmp / LIBRARY)
             (tmp / "manifest.json").write_text(json.dumps(
                 {"kernel_set": digest, "arch": ARCH, "cutlass_dsl": CUTLASS_DSL_VERSION,
-                 "kernels": [s.name for s in KERNELS]}, indent=1))
+                 "kernels": [s.name for s in KERNELS], "resources": resources}, indent=1))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -107,27 +107,31 @@ def permute_x(x: jax.Array) -> jax.Array:
 def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: int):
     """The MoE kernels' grouping of ids, weights [N, k] (N <= tokens) -> (experts, slots, kept, coef).
 
-    experts [U] int32: for one token its k ids as they are (U = k; a repeat's grid row stores
-    nothing), else the distinct selected experts (U = min(num_experts, N k), padded with
-    num_experts, which the kernels skip). slots [U, tokens] int32: the slot n * k + j where token n
-    chose experts[u] as its j-th and the kernels fill it, else -1. kept [N, k] bool: the slots the
-    kernels fill (a repeated id once, at its last slot; an id >= num_experts never). coef [N, k]
-    float32: each kept slot's routing coefficient (a repeated id's summed weights), else 0.
+    experts [U] int32: for one token its k ids as they are (U = k), else the distinct selected
+    experts (U = min(num_experts, N k), padded with num_experts, which the kernels skip).
+    slots [U, tokens] int32: the slot n * k + j where token n chose experts[u] as its j-th and the
+    kernels fill it, else -1. kept [N, k] bool: the slots the kernels fill (an id >= num_experts
+    never; past one token a repeated id once, at its last slot). coef [N, k] float32: each kept
+    slot's routing coefficient (a repeated id's summed weights), else 0. One token takes no XLA
+    work (at batch 1 each small fusion costs ~1 us of a ~90 us op): a repeated id, which top-k
+    routing never gives, runs once per slot (the same sum up to float32 rounding), and coef is
+    the weights as they are (the combine drops the slots not kept).
     """
     n, k = ids.shape
     if n > tokens:
         raise ValueError(f"expert_slots: {n} tokens do not fit the kernels' {tokens} token columns")
+    if n == 1:
+        kept = ids < num_experts
+        slots = jnp.arange(k, dtype=jnp.int32)[:, None]
+        return ids[0].astype(jnp.int32), slots, kept, weights.astype(jnp.float32)
     same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
     later = jnp.triu(jnp.ones((k, k), bool), 1)
     kept = (ids < num_experts) & ~jnp.any(same & later, axis=2)
     coef = jnp.where(kept, jnp.sum(jnp.where(same, weights[:, None, :], 0.0), axis=2), 0.0).astype(jnp.float32)
     slot = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
-    if n == 1:
-        experts, slots = ids[0].astype(jnp.int32), jnp.where(kept[0], slot[0], -1)[:, None]
-    else:
-        experts, _ = ops.expert_dispatch(ids, weights, num_experts, min(num_experts, n * k))
-        match = (ids[None] == experts[:, None, None]) & kept[None]            # [U, N, k]
-        slots = jnp.max(jnp.where(match, slot[None], -1), axis=2)
+    experts, _ = ops.expert_dispatch(ids, weights, num_experts, min(num_experts, n * k))
+    match = (ids[None] == experts[:, None, None]) & kept[None]            # [U, N, k]
+    slots = jnp.max(jnp.where(match, slot[None], -1), axis=2)
     return experts, jnp.pad(slots, ((0, 0), (0, tokens - slots.shape[1])), constant_values=-1), kept, coef
 
 
@@ -161,11 +165,10 @@ def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_b
     if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
     kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
-    gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
-                           experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
-    hid = ops.glu(gate, up, act, beta, linear_beta)
-    (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
-                          _words(experts.w2), experts.s2)
+    glu = jnp.asarray([act == "situ", beta, linear_beta or 0.0], jnp.float32)   # kernels/mxfp4_moe.py _glu
+    (hid,) = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+                         experts.s1, _words(experts.w3), experts.s3, glu, dims={"S": n * k})
+    (part,) = loader.call(f"moe_down_{kernel}", hid, uniq, slots, coef.reshape(-1), _words(experts.w2), experts.s2)
     part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
     return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine
 
