@@ -75,11 +75,10 @@ MOE_WIDE_MULTIPLE = 128         # M and I of the blocks past 16 rows: 64 rows, a
 
 
 def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
-    """(moe_gate_up_t{tokens}: z [N, M], act [3] -> hid [S, I] bf16 = the gated activation of both
-    projections, in the down kernel's input order; moe_down_t{tokens}: hid [S, I], weights [S] ->
-    part [S, M] float32), both over experts [U] and slots [U, tokens]; `rows` weight rows per block
-    (names end in _rows{rows} past 16). Past 16 rows the blocks stage each chunk's scale words (4
-    groups) in shared memory, so the input dimension must hold a multiple of 4 groups (128
+    """(moe_gate_up_t{tokens}: z [N, M] -> gate, up [S, I] bf16; moe_down_t{tokens}: hid [S, I],
+    weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]; `rows` per
+    block (names end in _rows{rows} past 16). Past 16 rows the blocks stage each chunk's scale words
+    (4 groups) in shared memory, so the input dimension must hold a multiple of 4 groups (128
     values), and they ask for the largest shared-memory carveout (a fifth block per SM)."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
     suffix = "" if rows == 16 else f"_rows{rows}"
@@ -91,10 +90,9 @@ def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
             name=f"moe_gate_up_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:gate_up{suffix}",
             inputs=(Arg("z", "bfloat16", ("N", "M")), *route,
                     Arg("w1", "int32", ("E", "I", "M8")), Arg("s1", "uint8", ("E", "I", "M32")),
-                    Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32")),
-                    Arg("act", "float32", (3,))),
-            outputs=(Arg("hid", "bfloat16", ("S", "I")),),
-            divisibility=(("M", 32), ("I", rows // 2), ("M8", 4), *words("M32")), smem_carveout=carveout),
+                    Arg("w3", "int32", ("E", "I", "M8")), Arg("s3", "uint8", ("E", "I", "M32"))),
+            outputs=(Arg("gate", "bfloat16", ("S", "I")), Arg("up", "bfloat16", ("S", "I"))),
+            divisibility=(("M", 32), ("I", rows), ("M8", 4), *words("M32")), smem_carveout=carveout),
         KernelSpec(
             name=f"moe_down_t{tokens}{suffix}", entry=f"cute_bridge.kernels.mxfp4_moe:down{suffix}",
             inputs=(Arg("hid", "bfloat16", ("S", "I")), *route, Arg("weights", "float32", ("S",)),

@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cute_bridge import loader
 from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_WIDE_MULTIPLE, MOE_X_EXP
@@ -122,7 +123,7 @@ def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: i
         raise ValueError(f"expert_slots: {n} tokens do not fit the kernels' {tokens} token columns")
     if n == 1:
         kept = ids < num_experts
-        slots = jnp.arange(k, dtype=jnp.int32)[:, None]
+        slots = jnp.asarray(np.arange(k, dtype=np.int32)[:, None])     # a constant: no iota launch
         return ids[0].astype(jnp.int32), slots, kept, weights.astype(jnp.float32)
     same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
     later = jnp.triu(jnp.ones((k, k), bool), 1)
@@ -165,10 +166,11 @@ def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_b
     if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
     kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
-    glu = jnp.asarray([act == "situ", beta, linear_beta or 0.0], jnp.float32)   # kernels/mxfp4_moe.py _glu
-    (hid,) = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
-                         experts.s1, _words(experts.w3), experts.s3, glu, dims={"S": n * k})
-    (part,) = loader.call(f"moe_down_{kernel}", hid, uniq, slots, coef.reshape(-1), _words(experts.w2), experts.s2)
+    gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+                           experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
+    hid = ops.glu(gate, up, act, beta, linear_beta)
+    (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
+                          _words(experts.w2), experts.s2)
     part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
     return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine
 

@@ -72,8 +72,7 @@ def _calls(text: str, *names: str) -> bool:
     ("gemv_r1", (S((1, 7168), jnp.bfloat16), S((1536, 7168), jnp.bfloat16)), None),
     ("gemv_r8", (S((8, 64), jnp.bfloat16), S((24, 64), jnp.bfloat16)), None),
     ("moe_gate_up_t8", (S((2, 64), jnp.bfloat16), S((6,), jnp.int32), S((6, 8), jnp.int32), S((16, 32, 8), jnp.int32),
-                        S((16, 32, 2), jnp.uint8), S((16, 32, 8), jnp.int32), S((16, 32, 2), jnp.uint8),
-                        S((3,), jnp.float32)), {"S": 8}),
+                        S((16, 32, 2), jnp.uint8), S((16, 32, 8), jnp.int32), S((16, 32, 2), jnp.uint8)), {"S": 8}),
     ("gemv_split_r2", (S((2, 200), jnp.bfloat16), S((24, 200), jnp.bfloat16)), {"S": 3}),
     ("moe_down_t1", (S((4, 32), jnp.bfloat16), S((4,), jnp.int32), S((4, 1), jnp.int32), S((4,), jnp.float32),
                      S((16, 64, 4), jnp.int32), S((16, 64, 1), jnp.uint8)), None),
@@ -228,29 +227,29 @@ def test_k_splits():
 
 def _emulated_moe_kernel(name, *args, dims=None):
     """A jnp model of the MoE kernels' contract (kernels/mxfp4_moe.py): for every named slot of grid
-    row u, the expert's product on that token column's activation row (gate_up: the SiTU of both
-    products, in decode order and times 2^MOE_X_EXP); unnamed outputs stay NaN."""
+    row u, the expert's product on that token column's activation row; unnamed outputs stay NaN."""
     from cute_bridge.kernel_set import MOE_X_EXP
     from cute_bridge.ops import permute_x
     from k3jax import mxfp4
     x, experts, slots, *rest = args
-    down = name.startswith("moe_down")
-    weights, act, rest = (rest[0], None, rest[1:]) if down else (None, rest[-1], rest[:-1])
+    weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
     mats = [permute_x(mxfp4.dequantize(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s,
                                        jnp.float32)) for w, s in zip(rest[::2], rest[1::2])]
     s_n = dims["S"] if dims else x.shape[0]
     per_token = s_n // x.shape[0]                              # gate_up: x rows are tokens; down: slots
     named = (slots >= 0) & (experts[:, None] < mats[0].shape[0])                         # [U, T]
-    rows = x[jnp.maximum(slots, 0) // (per_token if not down else 1)]                    # [U, T, in]
+    rows = x[jnp.maximum(slots, 0) // (1 if weights is not None else per_token)]         # [U, T, in]
     rows = rows.astype(jnp.float32) * 2.0 ** -MOE_X_EXP
     target = jnp.where(named, slots, s_n)                      # unnamed: out of range, dropped
-    ys = [jnp.einsum("uoi,uti->uto", m[jnp.minimum(experts, m.shape[0] - 1)], rows).astype(x.dtype) for m in mats]
-    if down:
-        y = weights[jnp.maximum(slots, 0)][..., None] * ys[0].astype(jnp.float32)
-    else:                                                      # the tests run SiTU: act = (1, beta, linear_beta)
-        y = permute_x(ops.glu(*ys, "situ", act[1], act[2])).astype(jnp.float32) * 2.0 ** MOE_X_EXP
-    out = jnp.full((s_n, y.shape[-1]), jnp.nan, jnp.float32).at[target].set(y, mode="drop")
-    return (out if down else out.astype(x.dtype),)
+    outs = []
+    for m in mats:
+        y = jnp.einsum("uoi,uti->uto", m[jnp.minimum(experts, m.shape[0] - 1)], rows)
+        y = y.astype(x.dtype).astype(jnp.float32)
+        if weights is not None:
+            y = weights[jnp.maximum(slots, 0)][..., None] * y
+        out = jnp.full((s_n, m.shape[1]), jnp.nan, jnp.float32).at[target].set(y, mode="drop")
+        outs.append(out if weights is not None else out.astype(x.dtype))
+    return tuple(outs)
 
 
 @pytest.mark.parametrize("ids", [

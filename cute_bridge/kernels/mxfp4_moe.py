@@ -1,11 +1,10 @@
-"""MXFP4 W4A16 routed experts for decode, grouped by expert, in two launches. S = N * k slots
-(token n's j-th choice is slot n * k + j); the U distinct selected experts each get one grid row,
-and `slots [U, T]` names the slot of token column t (-1: token t did not choose expert u):
+"""MXFP4 W4A16 routed experts for decode, grouped by expert, in two launches around the (XLA)
+gated activation. S = N * k slots (token n's j-th choice is slot n * k + j); the U distinct selected
+experts each get one grid row, and `slots [U, T]` names the slot of token column t (-1: token t
+did not choose expert u):
 
-  gate_up:  hid [S, I] bf16  = glu(bf16(z[token] @ dequant(w1[experts[u]]).T),
-                                   bf16(z[token] @ dequant(w3[experts[u]]).T))   for each named slot,
-            written in down's input order and times 2^MOE_X_EXP (k3jax.ops.glu: SiTU or SiLU)
-  down:     part [S, M] f32  = weights[s] * bf16(hid[s] @ dequant(w2[experts[u]]).T)
+  gate_up:  gate, up [S, I] bf16 = z[token] @ dequant(w1|w3[experts[u]]).T    for each named slot
+  down:     part [S, M] f32      = weights[s] * bf16(hid[s] @ dequant(w2[experts[u]]).T)
             (XLA sums each token's k partials and casts: the reference's float32 combine)
 
 Each selected expert's weights are read once per launch, whatever number of tokens chose it (up
@@ -23,18 +22,15 @@ and shared memory alike), issue slots 60% busy, DRAM 68%. Capping registers for 
 at batch 1 and lost 10% at batch 8 (BENCHMARKS.md): neither was kept. The 64-row blocks' scale
 bytes through the ring instead of registers (below): 112 / 116 -> 96 registers, no spills; batch 1
 95.7 us (unchanged), batch 8 552.0 -> 527.4 us (85.9%).
+Session 15, tried and not kept (commit 2f57d5e): the gated activation in gate_up's epilogue (each
+block owning the same rows of w1 and w3) and down as a programmatic dependent launch of gate_up
+(w2 chunks issued before griddepcontrol.wait): the XLA glue fell from ~7.4 to ~4.1 us at batch 1,
+but gate_up ran 54.5 -> 56.4 us at batch 1 and 340 -> 381 us at batch 8, and PDL changed nothing
+measurable (a chain of 64 calls: 106.5 vs 106.4 us). Suspect: its prologue committed both
+stages' weights in the first cp.async group, so each warp's first wait covered two chunks.
 
-Session 15: the gated activation moved into gate_up's epilogue (each block owns the same rows
-of w1 and w3, so one lane holds both products of a row; was an XLA fusion between the launches
-plus a permutation of hid), and down launches as a programmatic dependent of gate_up: its blocks
-start while gate_up's last blocks finish, issue their first (static) weight chunks, and read hid
-only after `griddepcontrol.wait`. A first layout of the paired rows took 110-124 registers and
-ran batch-8 gate_up 14% slower (four blocks per SM instead of five); the build now reports every
-kernel's registers and a CPU test holds the 64-row kernels at 96.
-
-Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R weight
-rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones;
-gate_up: 8 R rows of w1 and the same 8 R rows of w3),
+Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
+rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
 its four warps split the input dimension in chunks of four 32-value scale groups, and each warp
 multiplies with `mma.sync.m16n8k16` (bf16, fp32 accumulate) per 16-row tile: the decoded weight
 rows are the A operand, the token columns' activation rows the B operand (T = 1: all 8 columns
@@ -54,9 +50,8 @@ scale words into the slot, which the decode reads back per row), STAGES chunks a
 waits for the chunk's group (`cp.async.wait_group`), reads the slot back (16-byte `ld.shared`,
 the x groups 80 bytes apart and the rows 320, so the lanes of each 8-lane phase hit distinct
 banks) and refills it. Warp syncs
-order the lanes' copies and reads (no block barrier until the final sum). In gate_up each row
-tile holds 8 rows of w1 and the same 8 rows of w3 (code rows 2t, 2t + 1): one copy of the loop
-for both matrices (a copy per matrix measured 2.5% slower, session 7). Measured on the H200 (session 7, batch 1):
+order the lanes' copies and reads (no block barrier until the final sum). The gate and up blocks
+run one copy of the loop on selected base addresses. Measured on the H200 (session 7, batch 1):
 the ring alone gained ~1% over session 6's register loads, deeper rings lost (4 stages 7%,
 8 stages 24%: occupancy and code size), a copy of the loop per matrix was 2.5% slower: bytes in
 flight are not the limit, instructions (issue, fetch) are the suspects.
@@ -79,7 +74,7 @@ independent chains already.
 
 The decoded pairs hold input columns (8k + a, 8k + a + 4) of word k, so the activations come in
 that order: `cute_bridge.ops.permute_x` regroups each 8 columns (0, 4, 1, 5, 2, 6, 3, 7) in XLA
-(a few KB; gate_up writes hid in that order itself), and one 16-byte read then gives a
+(a few KB; for the down projection it fuses into the GLU), and one 16-byte read then gives a
 word's four activation pairs (in-kernel `prmt` regrouping measured 3% slower at batch 1, 8% at
 batch 8). The MMA sums over the same columns in another order; every product is exact in fp32
 (as the reference's bf16 x bf16 products), only the summation order differs. Expert ids and
@@ -96,7 +91,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from k3jax import mxfp4
 from cute_bridge.kernels.gemv import LANES, TILE, WARPS, mma_bf16_16816
-from cute_bridge.kernel_set import MOE_X_EXP
 
 GROUP = 32              # values per UE8M0 scale: 16 bytes of codes
 CHUNK_GROUPS = 4        # groups per chunk, one per lane q
@@ -136,38 +130,34 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue_weights(slot, c, lane, q, groups, code_rows, scale_rows, scale_off=None):
-    """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) into ring `slot` by cp.async;
-    returns the rows' scale bytes (at scale_rows[i]), or, with scale_off (8 code rows), copies the
-    chunk's scale words into the slot instead: this lane the 4 bytes (groups 4c .. 4c + 3, one per
-    lane q) of code rows 2q, 2q + 1 (lane row g) at scale_rows[0], scale_rows[1] (returns []).
-    Groups past the end are clamped (their factor is zeroed by the caller). Static weights only:
-    safe to issue before griddepcontrol.wait."""
+def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows, scale_off=None):
+    """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) and activations (this lane's
+    share; xsrc is its token row's address; T = 8: read only if `named`, else zeros are stored: an
+    unnamed column is never stored, and skipping its row keeps the activation traffic to the named
+    columns) into ring `slot` by cp.async; returns the rows' scale bytes (at scale_rows[i]), or,
+    with scale_off (8 code rows), copies the chunk's scale words into the slot instead: this lane
+    the 4 bytes (groups 4c .. 4c + 3, one per lane q) of rows g + 8 i, i = 2q, 2q + 1, at
+    scale_rows[0], scale_rows[1] (returns []). Groups past the end are clamped (their factor is
+    zeroed by the caller)."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
     for i, row in enumerate(code_rows):
         _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
+    x_off = len(code_rows) * CODE_ROW
+    if cutlass.const_expr(tokens == 1):
+        x_dst = x_off + (lane // 8) * 80 + (lane % 8) * 8
+        _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8, cache="ca")
+    else:
+        src = xsrc + cutlass.Int64(grp * (GROUP * 2))
+        read = cutlass.Int32(named) * 16
+        for i in range(4):
+            _cp_async(slot + x_off + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
+                      cache="ca", src_bytes=read)
     if scale_off is None:
         return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
     g = lane // 4
     for m, row in enumerate(scale_rows):
         _cp_async(slot + scale_off + ((2 * q + m) * 8 + g) * 4, row + cutlass.Int64(c * CHUNK_GROUPS), 4, cache="ca")
     return []
-
-
-def _issue_x(slot, c, lane, q, groups, cols, x_off, xsrc, named, tokens):
-    """Chunk c's activations, this lane's share, into ring `slot` at x_off by cp.async: xsrc is its
-    token row's address; T = 8: read only if `named`, else zeros are stored (an unnamed column is
-    never stored, and skipping its row keeps the activation traffic to the named columns)."""
-    if cutlass.const_expr(tokens == 1):
-        x_dst = x_off + (lane // 8) * 80 + (lane % 8) * 8
-        _cp_async(slot + x_dst, xsrc + cutlass.Int64(cutlass.min(c * 128 + lane * 4, cols - 4) * 2), 8, cache="ca")
-    else:
-        grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
-        src = xsrc + cutlass.Int64(grp * (GROUP * 2))
-        read = cutlass.Int32(named) * 16
-        for i in range(4):
-            _cp_async(slot + x_off + (lane // 4) * X_ROW + q * 80 + i * 16, src + cutlass.Int64(i * 16), 16,
-                      cache="ca", src_bytes=read)
 
 
 def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
@@ -227,27 +217,19 @@ def _ldg_u8(addr, *, loc=None, ip=None):
 
 
 @cute.jit
-def _expert_tile(wa, wb, sa, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
-                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr,
-                 paired: cutlass.Constexpr):
+def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
+                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr):
     """acc (per row tile t, accs C fragments; summed into the tile's first at the end) += this
-    warp's chunks of dequant(the block's 16 row_tiles weight rows of expert e) @ x[rows of the
-    token columns].T; x's columns in decode order, times 2^MOE_X_EXP. The weights are int32 code
-    words at global addresses wa, wb ([E, rows, groups * 4]) with scale bytes at sa, sb ([E, rows,
-    groups]). Lane row g's code row i (MMA row g + 8 i of the block) is weight row row0 + g + 8 i
-    of wa; `paired`: row row0 + g + 8 (i // 2) of wa for even i and of wb for odd i, so each row
-    tile holds 8 rows of both matrices (gate_up's gate and up rows side by side). xrow: the x row
-    this lane stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`).
-    The row tiles share each chunk's activations: one staging and one shared-memory read per chunk.
-
-    The first STAGES chunks' weights are issued before `griddepcontrol.wait` and their activations
-    after it: a launch that may start before the previous kernel ends (programmatic dependent
-    launch, `down`) reads only static weights until that kernel's writes are visible."""
+    warp's chunks of dequant(w[e, row0:row0 + 16 row_tiles]) @ x[rows of the token columns].T for
+    int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb ([E,
+    rows, groups]); x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane
+    stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`). The row
+    tiles share each chunk's activations: one staging and one shared-memory read per chunk."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
     q = lane % 4
-    g = lane // 4
+    r0 = row0 + lane // 4
     cols = x.shape[1]
     chunks = (groups + CHUNK_GROUPS - 1) // CHUNK_GROUPS
     count = (chunks - warp + WARPS - 1) // WARPS            # this warp's chunks: warp + WARPS * j
@@ -261,40 +243,23 @@ def _expert_tile(wa, wb, sa, sb, rows, groups, x: cute.Tensor, e, row0, xrow, na
     stage_bytes = scale_off + (SCALE_STAGE if smem_scales else 0)
     ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
-
-    # Code row i -> (matrix: 0 = a, 1 = b; weight row offset from row0 + g).
-    rows_of = [(0, 8 * i) for i in range(code_rows)]
-    if cutlass.const_expr(paired):
-        rows_of = [(i % 2, 8 * (i // 2)) for i in range(code_rows)]
-    row = cutlass.Int64(e * rows + row0 + g)                # lane row g of the block, in [E * rows]
-    top = wa + row * cutlass.Int64(groups * 16)
-    s_top = sa + row * cutlass.Int64(groups)
-    w_rows = [top + cutlass.Int64(d * groups * 16) for _, d in rows_of]
-    s_rows = [s_top + cutlass.Int64(d * groups) for _, d in rows_of]
-    if cutlass.const_expr(paired):                          # odd code rows: matrix b
-        w_rows = [r + cutlass.Int64(m) * (wb - wa) for r, (m, _) in zip(w_rows, rows_of)]
-        s_rows = [r + cutlass.Int64(m) * (sb - sa) for r, (m, _) in zip(s_rows, rows_of)]
-    if cutlass.const_expr(smem_scales):                     # this lane stages code rows 2q, 2q + 1
-        s_rows = [s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)]
-        if cutlass.const_expr(paired):
-            s_rows = [s_top + cutlass.Int64(8 * q * groups), s_top + cutlass.Int64(8 * q * groups) + (sb - sa)]
+    top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
+    s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
+    w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
+    s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
+              else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
-    x_read = x_off + q * 80 + (g * X_ROW if tokens > 1 else 0)      # column g's activations
+    x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
     if cutlass.const_expr(not smem_scales):
         raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
 
-    weights = (lane, q, groups, w_rows, s_rows, scale_off if smem_scales else None)
-    acts = (lane, q, groups, cols, x_off, xsrc, named, tokens)
+    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows, scale_off if smem_scales else None)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
-            scales = _issue_weights(ring + u * stage_bytes, warp + u * WARPS, *weights)
+            scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
             if cutlass.const_expr(not smem_scales):
                 for h in cutlass.range_constexpr(code_rows):
                     raw[code_rows * u + h] = scales[h]
-    cute.arch.griddepcontrol_wait()                        # the previous kernel's outputs are visible
-    for u in cutlass.range_constexpr(STAGES):
-        if u < count:
-            _issue_x(ring + u * stage_bytes, warp + u * WARPS, *acts)
         cute.arch.cp_async_commit_group()
     for j0 in cutlass.range(0, count, STAGES):
         for u in cutlass.range_constexpr(STAGES):
@@ -309,17 +274,16 @@ def _expert_tile(wa, wb, sa, sb, rows, groups, x: cute.Tensor, e, row0, xrow, na
                 c = warp + j * WARPS
                 valid = cutlass.Int32(c * CHUNK_GROUPS + q < groups)
                 if cutlass.const_expr(smem_scales):
-                    bytes_ = [_lds_u8(slot + scale_off + (h * 8 + g) * 4 + q) for h in range(code_rows)]
+                    bytes_ = [_lds_u8(slot + scale_off + (h * 8 + lane // 4) * 4 + q) for h in range(code_rows)]
                 else:
                     bytes_ = [raw[code_rows * u + h] for h in range(code_rows)]
                 factors = [(b + FACTOR_BIAS) * (valid * cutlass.Int32(b != 0)) * 0x00800080 for b in bytes_]
                 cute.arch.sync_warp()                      # slot u read by every lane: refill it
                 if j + STAGES < count:
-                    scales = _issue_weights(slot, c + STAGES * WARPS, *weights)
+                    scales = _issue(slot, c + STAGES * WARPS, *src)
                     if cutlass.const_expr(not smem_scales):
                         for h in cutlass.range_constexpr(code_rows):
                             raw[code_rows * u + h] = scales[h]
-                    _issue_x(slot, c + STAGES * WARPS, *acts)
                 cute.arch.cp_async_commit_group()
                 _mma_chunk(codes, factors, xs, acc, accs)
     if cutlass.const_expr(accs == 2):
@@ -372,47 +336,38 @@ def _token_row(slots: cute.Tensor, u, tokens: cutlass.Constexpr, div):
     return cutlass.max(slot, 0) // div, slot >= 0
 
 
-@cute.jit
-def _glu(gate, up, act: cute.Tensor):
-    """k3jax.ops.glu on one bf16-rounded (gate, up) pair in float32: act = (kind, beta, linear_beta),
-    kind 1: SiTU (linear_beta 0: no tanh on up), kind 0: SiLU."""
-    g = gate.to(cutlass.BFloat16).to(cutlass.Float32)
-    v = up.to(cutlass.BFloat16).to(cutlass.Float32)
-    sig = 1.0 / (1.0 + cute.math.exp(-g))
-    a = g * sig
-    if act[0] != 0.0:
-        beta = act[1]
-        a = beta * cute.math.tanh(g / beta) * sig
-        if act[2] != 0.0:
-            v = act[2] * cute.math.tanh(v / act[2])
-    return a * v
-
-
 @cute.kernel
 def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
-                    w3: cute.Tensor, s3: cute.Tensor, act: cute.Tensor, hid: cute.Tensor,
+                    w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
                     row_tiles: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
     e = experts[u]
     if e < w1.shape[0]:
         tokens = slots.shape[1]
         accs = GATE_UP_ACCS if cutlass.const_expr(row_tiles == 1) else 1
-        row0 = bidx * (TILE // 2 * row_tiles)                # hid rows row0 .. row0 + 8 row_tiles
+        tiles = w1.shape[1] // (TILE * row_tiles)
+        is_up = bidx >= tiles
+        row0 = (bidx - tiles * cutlass.Int32(is_up)) * (TILE * row_tiles)
         acc = cute.make_rmem_tensor((4 * accs * row_tiles,), cutlass.Float32)
         acc.fill(0.0)
-        xrow, named = _token_row(slots, u, tokens, hid.shape[0] // z.shape[0])   # slot // k = token
-        _expert_tile(w1.iterator.toint(), w3.iterator.toint(), s1.iterator.toint(), s3.iterator.toint(),
-                     w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles, True)
-        cute.arch.griddepcontrol_launch_dependents()        # `down` may launch: it waits for hid itself
+        # One copy of the loop for both matrices (instruction cache): select the base addresses.
+        up_i = cutlass.Int64(is_up)
+        wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
+        sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
+        xrow, named = _token_row(slots, u, tokens, gate.shape[0] // z.shape[0])   # slot // k = token
+        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles)
         total = _column_sums(acc, tokens, row_tiles, accs)
-        g = (cute.arch.thread_idx()[0] % LANES) // 4
-        pos = row0 + 2 * (g % 4) + g // 4                   # hid row row0 + g + 8 t, in decode order
+        row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
             slot = _slot_of(slots, u, j)
             if slot >= 0:
-                for t in cutlass.range_constexpr(row_tiles):     # tile t: gate (h = 0) and up (h = 1) rows
-                    h = _glu(total[4 * t + j], total[4 * t + 2 + j], act).to(hid.element_type)
-                    hid[slot, pos + 8 * t] = (h.to(cutlass.Float32) * 2.0 ** MOE_X_EXP).to(hid.element_type)
+                for t in cutlass.range_constexpr(row_tiles):
+                    for h in cutlass.range_constexpr(2):      # rows g + 16 t + 8 h
+                        v = total[4 * t + 2 * h + j]
+                        if is_up:
+                            up[slot, row + 16 * t + 8 * h] = v.to(up.element_type)
+                        else:
+                            gate[slot, row + 16 * t + 8 * h] = v.to(gate.element_type)
 
 
 @cute.kernel
@@ -426,9 +381,8 @@ def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, wei
         acc = cute.make_rmem_tensor((4 * DOWN_ACCS * row_tiles,), cutlass.Float32)
         acc.fill(0.0)
         xrow, named = _token_row(slots, u, tokens, 1)
-        w, s = w2.iterator.toint(), s2.iterator.toint()
-        _expert_tile(w, w, s, s, w2.shape[1], s2.shape[2], hid, e, row0, xrow, named, acc, DOWN_ACCS, tokens,
-                     row_tiles, False)
+        _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, e, row0, xrow, named,
+                     acc, DOWN_ACCS, tokens, row_tiles)
         total = _column_sums(acc, tokens, row_tiles, DOWN_ACCS)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
@@ -441,26 +395,25 @@ def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, wei
                         part[slot, row + 16 * t + 8 * h] = weights[slot] * v
 
 
-def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, act, hid, stream, rows: int):
-    grid = (w1.shape[1] // (rows // 2), experts.shape[0], 1)
-    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, act, hid, rows // TILE).launch(
+def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, rows: int):
+    grid = (2 * (w1.shape[1] // rows), experts.shape[0], 1)
+    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up, rows // TILE).launch(
         grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
-def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int, pdl: bool = True):
+def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int):
     grid = (w2.shape[1] // rows, experts.shape[0], 1)
     _down_kernel(hid, experts, slots, weights, w2, s2, part, rows // TILE).launch(
-        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream, use_pdl=pdl)
+        grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
 @cute.jit
 def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
-            w3: cute.Tensor, s3: cute.Tensor, act: cute.Tensor, hid: cute.Tensor, stream: cuda.CUstream):
+            w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
     """z [N, M] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
-    int32 (T static, one of kernel_set.MOE_TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32],
-    act f32 [3] (_glu) -> hid [S, I] bf16 = glu(gate, up) at the named slots, in decode order and
-    times 2^MOE_X_EXP: `down`'s input (I % 8 == 0; S = N * k). 8 rows of gate and up per block."""
-    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, act, hid, stream, TILE)
+    int32 (T static, one of kernel_set.MOE_TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
+    [S, I] bf16 at the named slots (I % 16 == 0; S = N * k). 16 rows per block."""
+    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, TILE)
 
 
 @cute.jit
@@ -474,10 +427,9 @@ def down(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cu
 
 @cute.jit
 def gate_up_rows64(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
-                   w3: cute.Tensor, s3: cute.Tensor, act: cute.Tensor, hid: cute.Tensor, stream: cuda.CUstream):
-    """`gate_up` with 64 weight rows per block (32 of gate, 32 of up): four row tiles share each
-    activation read (I % 32 == 0)."""
-    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, act, hid, stream, 4 * TILE)
+                   w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
+    """`gate_up` with 64 rows per block: four row tiles share each activation read (I % 64 == 0)."""
+    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, 4 * TILE)
 
 
 @cute.jit
@@ -485,4 +437,3 @@ def down_rows64(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weig
                 s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
     """`down` with 64 rows per block (M % 64 == 0)."""
     _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE)
-
