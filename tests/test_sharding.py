@@ -75,14 +75,25 @@ def test_state_specs():
 
 
 def _prefill_and_decode(graphdef):
-    def run(params, ids):
+    """(params, ids) -> logits of the prefill and of two decode steps: a jitted prefill and one
+    jitted step called twice, as generate runs them (a third of the compile time of one jit
+    holding all three forwards: ep=8 27 -> 17 s)."""
+    @jax.jit
+    def prefill(params, ids):
         model = nnx.merge(graphdef, params)
         state = sharding.constrain_state(init_state(model.cfg, ids.shape[0], ids.shape[1] + 2, model.dtype))
-        prefill, state = model.forward(ids, state)
-        step1, state = model.forward(ids[:, -1:], state)
-        step2, _ = model.forward(ids[:, :1], state)
-        return prefill, step1, step2
-    return jax.jit(run)
+        return model.forward(ids, state)
+
+    @jax.jit
+    def step(params, tokens, state):
+        return nnx.merge(graphdef, params).forward(tokens, sharding.constrain_state(state))
+
+    def run(params, ids):
+        logits, state = prefill(params, ids)
+        step1, state = step(params, ids[:, -1:], state)
+        step2, _ = step(params, ids[:, :1], state)
+        return logits, step1, step2
+    return run
 
 
 @pytest.fixture(scope="module")
