@@ -19,11 +19,19 @@ SPEC = registry.spec("kda_decode")
 SMALL = [c for c in SPEC.sweep("small") if not c.kernel_kwargs]   # the tests below pick the kernel
 K3 = SPEC.sweep("k3")
 PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
-# (case, splits, prep): the fused kernel and the delta-rule-only kernel after XLA's prep at every
-# split; after the prep kernel at one split per case (the delta-rule kernel is the same, so the
-# splits rotate over the cases); the fallback case ignores both.
-SMALL_SPLITS = ([(c, s, x) for c in PREPPED for s in kd.SPLITS for x in ("fused", "xla")]
-                + [(c, kd.SPLITS[i % len(kd.SPLITS)], "kernel") for i, c in enumerate(PREPPED)]
+# (case, splits, prep): the fused kernel at every split; the delta-rule-only kernel after XLA's
+# prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus gate
+# (the gate is XLA's formula before the kernel: the kernel is the same, the data differ); after the
+# prep kernel at one split per case (the delta-rule kernel is the same, so the splits rotate over
+# the cases); the fallback case ignores both.
+def _rotated(cases, prep):
+    return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep) for i, c in enumerate(cases)]
+
+
+SOFTPLUS = [c for c in PREPPED if c.kw["lower_bound"] is None]
+SMALL_SPLITS = ([(c, s, "fused") for c in PREPPED for s in kd.SPLITS]
+                + [(c, s, "xla") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
+                + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel")
                 + [(c, None, None) for c in SMALL if c.name.startswith("fallback")])
 
 
