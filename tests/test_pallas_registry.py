@@ -122,7 +122,9 @@ def test_every_pallas_kernel_runs_in_the_whole_model(tmp_path, monkeypatch):
     """`validate --model` on k3-small: every decode op runs its Pallas kernel in interpret mode on
     CPU (only `linear` falls back, for the per-head projections whose 2 output rows are below its
     64-row tile; at one row its small weights run XLA's GEMV by design, the prefill's rows run the
-    kernel), and the logits stay within twice the bf16 reference's own distance from float32.
+    kernel; `attn_res_mix(_norm)` runs its reference below 128 rows by design, so its kernels run
+    in the model in test_pallas_attn_res), and the logits stay within twice the bf16 reference's
+    own distance from float32.
     The report has both kinds of control rows (router +-1 ulp, float32), reported, not judged.
 
     A 2-token prompt instead of the CLI's 16: the interpreted MoE kernel's time follows the
