@@ -358,8 +358,14 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
 
     ids, weights [N, k]. Returns (uniq [size] int32: sorted distinct ids padded with `num_experts`,
     which sorts last and matches no token; coef [size, N] float32: the routing weight where token n
-    chose expert uniq[u], else 0).
+    chose expert uniq[u], else 0). One token with size == k takes no sort and no reductions: uniq
+    is its ids as they are (an id >= num_experts stays, with coefficient 0; top-k never repeats an
+    id, and a repeated one would run once per slot with its own weight: the same sum) and coef its
+    weights (H200, session 16: the MXFP4 Pallas op at batch 1 105.3 -> 101.3 us without the
+    dispatch's small fusions).
     """
+    if ids.shape[0] == 1 and size == ids.shape[1]:
+        return ids[0].astype(jnp.int32), jnp.where(ids < num_experts, weights, 0.0).T.astype(f32)
     # Sort-free: the first occurrence of each valid id, its rank among the distinct ids (how many
     # distinct ids are smaller), and uniq[u] = the id of rank u. Three small reductions over the
     # N*k selections: at decode this glue runs once per MoE layer, and XLA:GPU's sort kernel for a

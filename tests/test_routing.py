@@ -169,10 +169,11 @@ def test_map_token_chunks_pads_with_the_last_token():
     assert (seen[:24] == 99).all() and (seen[24:] == 2).all()
 
 
-@pytest.mark.parametrize("n,k,e,extra", [(1, 4, 16, 0), (5, 3, 8, 0), (8, 8, 256, 0), (3, 2, 4, 0), (3, 2, 4, 5)])
+@pytest.mark.parametrize("n,k,e,extra", [(1, 4, 16, 1), (5, 3, 8, 0), (8, 8, 256, 0), (3, 2, 4, 0), (3, 2, 4, 5)])
 def test_expert_dispatch_is_unique_and_coefficients(n, k, e, extra):
     """uniq = the sorted distinct ids padded with E (what jnp.unique(size=...) gives, also when ids
-    hold the padding id E or repeat across tokens); coef[u, n] = token n's weight for uniq[u]."""
+    hold the padding id E or repeat across tokens); coef[u, n] = token n's weight for uniq[u].
+    One token runs with one slot more than k here (size == k: the next test)."""
     rng = np.random.default_rng(n * 100 + e)
     ids = np.stack([rng.choice(e + 1, size=k, replace=False) for _ in range(n)]).astype(np.int32)
     ids[-1] = ids[0]                                            # a token repeating another's experts
@@ -183,3 +184,16 @@ def test_expert_dispatch_is_unique_and_coefficients(n, k, e, extra):
     np.testing.assert_array_equal(uniq, np.concatenate([want, np.full(size - len(want), e)]))
     want_coef = np.array([[weights[t][ids[t] == x].sum() for t in range(n)] for x in np.asarray(uniq)])
     np.testing.assert_array_equal(coef, want_coef)
+
+
+def test_expert_dispatch_one_token_keeps_its_ids():
+    """One token with size == k: uniq is its ids in their order (the padding id E stays, with
+    coefficient 0) and coef its weights, the same combine as the sorted form."""
+    ids = jnp.asarray([[5, 2, 8, 0]], jnp.int32)                       # 8 = E: a padding id
+    weights = jnp.asarray([[0.4, 0.3, 0.2, 0.1]], jnp.float32)
+    uniq, coef = ops.expert_dispatch(ids, weights, 8, 4)
+    np.testing.assert_array_equal(uniq, [5, 2, 8, 0])
+    np.testing.assert_array_equal(coef, np.float32([[0.4], [0.3], [0.0], [0.1]]))
+    sorted_uniq, sorted_coef = ops.expert_dispatch(ids, weights, 8, 5)   # size > k: the general form
+    np.testing.assert_array_equal(sorted_uniq, [0, 2, 5, 8, 8])
+    np.testing.assert_array_equal(sorted_coef[:3, 0], np.float32([0.1, 0.3, 0.4]))
