@@ -26,8 +26,10 @@ Session 15, tried and not kept (commit 2f57d5e): the gated activation in gate_up
 block owning the same rows of w1 and w3) and down as a programmatic dependent launch of gate_up
 (w2 chunks issued before griddepcontrol.wait): the XLA glue fell from ~7.4 to ~4.1 us at batch 1,
 but gate_up ran 54.5 -> 56.4 us at batch 1 and 340 -> 381 us at batch 8, and PDL changed nothing
-measurable (a chain of 64 calls: 106.5 vs 106.4 us). Suspect: its prologue committed both
-stages' weights in the first cp.async group, so each warp's first wait covered two chunks.
+measurable (a chain of 64 calls: 106.5 vs 106.4 us). Session 16: with one cp.async group per
+stage (its prologue had put both stages' weights in the first) gate_up still ran 381 us at batch
+8 against 344 here, so the paired w1/w3 rows cost it; PDL with gate_up triggering its dependents
+at block start gained ~1.3 us per call (chain of 64), less than that layout loses.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
