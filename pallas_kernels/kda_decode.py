@@ -61,9 +61,12 @@ at every size tried (session 9, the prep kernel alone, us: K3 b8 G = 1 / 2 / 4: 
 b128 G = 8 / 32: 105.0 / 132.9, against G = 1's 74.4 within the step above): fewer programs in
 flight hide less of each one's serial load -> math -> store chain. `prep_mode` picks "kernel" up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs
 per SM (K3 b8), "xla" above (b32: a tie; b128: XLA's fusions are cheaper than 12288 programs).
-After a prep the splits are PREPPED_SPLITS (2; with 1 the gated norm runs in the state kernel
-instead of a separate 2.3 us XLA fusion, but the state kernel slowed from 30.7 to 42.8 us at b8
-and 107.2 to 140.1 at b32, session 9). The conv window is not updated in place (its bytes are
+After a prep the splits are PREPPED_SPLITS[prep]: 4 after the prep kernel (session 16, K3, us
+for 2 / 4 splits, the whole op: b3 21.3-21.6 / 20.3, b8 40.4-41.4 / 38.9-39.4, b16 72.0-72.2 /
+70.7: the state kernel's 16 KB slabs leave room for more programs per SM; Kimi-Linear's prep-kernel
+batches 9-66 take it unmeasured), 2 after XLA's (b32: 133.8-134.9 / 133.3, a tie). With 1 the
+gated norm would run in the state kernel instead of a separate 2.3 us XLA fusion, but the state
+kernel slowed from 30.7 to 42.8 us at b8 and 107.2 to 140.1 at b32 (session 9). The conv window is not updated in place (its bytes are
 the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
 launch costs more than it saves).
 """
@@ -86,9 +89,9 @@ ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / 
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
 PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`, `prep_mode`)
-# Splits from two (sequence, head) pairs per SM (`plan`): 2, for the fused kernel (session 5) and
-# for the delta-rule-only kernel after a prep (1 measured slower there, session 9: module doc).
-PREPPED_SPLITS = 2
+# Splits from two (sequence, head) pairs per SM (`plan`), by where the inputs are prepared: 2 for
+# the fused kernel (session 5) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
+PREPPED_SPLITS = {"fused": 2, "xla": 2, "kernel": 4}
 # "kernel" prep up to this many (sequence, head) pairs per SM, "xla" above (`prep_mode`).
 PREP_KERNEL_MAX_PAIRS_PER_SM = 16
 
@@ -100,16 +103,17 @@ def _state_tiling(cols: int):
     return plgpu.TilingTransform((8, row // 4)), plgpu.SwizzleTransform(row)
 
 
-def plan(batch: int, heads: int, sms: int) -> int:
+def plan(batch: int, heads: int, sms: int, prep: str | None = None) -> int:
     """Value-column splits per (sequence, head), as measured best on the H200 (module doc): 4 while
     the (sequence, head) pairs are fewer than the SMs, 1 below two pairs per SM, else
-    PREPPED_SPLITS (from two pairs per SM the inputs are prepared first: `prep_mode`)."""
+    PREPPED_SPLITS of where the inputs are prepared (default `prep_mode`: from two pairs per SM
+    they are prepared first)."""
     pairs = batch * heads
     if pairs < sms:
         return 4
     if pairs < 2 * sms:
         return 1
-    return PREPPED_SPLITS
+    return PREPPED_SPLITS[prep or prep_mode(batch, heads, sms)]
 
 
 def prep_mode(batch: int, heads: int, sms: int) -> str:
@@ -380,7 +384,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     prep = prep or prep_mode(qkv.shape[0], num_heads, sms)
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
-    splits = splits or plan(qkv.shape[0], num_heads, sms)
+    splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
