@@ -357,8 +357,9 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     """The distinct selected experts and each token's coefficient for them.
 
     ids, weights [N, k]. Returns (uniq [size] int32: sorted distinct ids padded with `num_experts`,
-    which sorts last and matches no token; coef [size, N] float32: the routing weight where token n
-    chose expert uniq[u], else 0). One token with size == k takes no sort and no reductions: uniq
+    which sorts last; coef [size, N] float32: the routing weight where token n chose expert uniq[u],
+    else 0, and 0 on every padding row, also for a token whose id is num_experts: the kernels skip
+    padding rows, the reference gathers a real expert for them). One token with size == k takes no sort and no reductions: uniq
     is its ids as they are (an id >= num_experts stays, with coefficient 0; top-k never repeats an
     id, and a repeated one would run once per slot with its own weight: the same sum) and coef its
     weights (H200, session 16: the MXFP4 Pallas op at batch 1 105.3 -> 101.3 us without the
@@ -378,7 +379,8 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     slot = jnp.arange(size, dtype=rank.dtype)
     uniq = jnp.min(jnp.where(first[None, :] & (rank[None, :] == slot[:, None]), flat[None, :], num_experts),
                    axis=1, initial=num_experts).astype(jnp.int32)
-    coef = jnp.einsum("unk,nk->un", (ids[None] == uniq[:, None, None]).astype(f32), weights, precision=EXACT)
+    chosen = (ids[None] == uniq[:, None, None]) & (uniq < num_experts)[:, None, None]         # [U, N, k]
+    coef = jnp.einsum("unk,nk->un", chosen.astype(f32), weights, precision=EXACT)
     return uniq, coef
 
 

@@ -172,7 +172,8 @@ def test_map_token_chunks_pads_with_the_last_token():
 @pytest.mark.parametrize("n,k,e,extra", [(1, 4, 16, 1), (5, 3, 8, 0), (8, 8, 256, 0), (3, 2, 4, 0), (3, 2, 4, 5)])
 def test_expert_dispatch_is_unique_and_coefficients(n, k, e, extra):
     """uniq = the sorted distinct ids padded with E (what jnp.unique(size=...) gives, also when ids
-    hold the padding id E or repeat across tokens); coef[u, n] = token n's weight for uniq[u].
+    hold the padding id E or repeat across tokens); coef[u, n] = token n's weight for uniq[u], 0 on
+    the padding rows (a token's id E adds nothing: the kernels skip those rows).
     One token runs with one slot more than k here (size == k: the next test)."""
     rng = np.random.default_rng(n * 100 + e)
     ids = np.stack([rng.choice(e + 1, size=k, replace=False) for _ in range(n)]).astype(np.int32)
@@ -182,7 +183,7 @@ def test_expert_dispatch_is_unique_and_coefficients(n, k, e, extra):
     uniq, coef = ops.expert_dispatch(jnp.asarray(ids), jnp.asarray(weights), e, size)
     want = np.unique(ids[ids < e])
     np.testing.assert_array_equal(uniq, np.concatenate([want, np.full(size - len(want), e)]))
-    want_coef = np.array([[weights[t][ids[t] == x].sum() for t in range(n)] for x in np.asarray(uniq)])
+    want_coef = np.array([[weights[t][ids[t] == x].sum() * (x < e) for t in range(n)] for x in np.asarray(uniq)])
     np.testing.assert_array_equal(coef, want_coef)
 
 
@@ -196,4 +197,4 @@ def test_expert_dispatch_one_token_keeps_its_ids():
     np.testing.assert_array_equal(coef, np.float32([[0.4], [0.3], [0.0], [0.1]]))
     sorted_uniq, sorted_coef = ops.expert_dispatch(ids, weights, 8, 5)   # size > k: the general form
     np.testing.assert_array_equal(sorted_uniq, [0, 2, 5, 8, 8])
-    np.testing.assert_array_equal(sorted_coef[:3, 0], np.float32([0.1, 0.3, 0.4]))
+    np.testing.assert_array_equal(sorted_coef[:, 0], np.float32([0.1, 0.3, 0.4, 0.0, 0.0]))
