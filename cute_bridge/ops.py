@@ -124,7 +124,8 @@ def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: i
     if n == 1:
         kept = ids < num_experts
         slots = jnp.asarray(np.arange(k, dtype=np.int32)[:, None])     # a constant: no iota launch
-        return ids[0].astype(jnp.int32), slots, kept, weights.astype(jnp.float32)
+        experts, _ = ops.expert_dispatch(ids, weights, num_experts, k)      # one token: its ids as they are
+        return experts, slots, kept, weights.astype(jnp.float32)
     same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
     later = jnp.triu(jnp.ones((k, k), bool), 1)
     kept = (ids < num_experts) & ~jnp.any(same & later, axis=2)

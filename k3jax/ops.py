@@ -359,11 +359,12 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     ids, weights [N, k]. Returns (uniq [size] int32: sorted distinct ids padded with `num_experts`,
     which sorts last; coef [size, N] float32: the routing weight where token n chose expert uniq[u],
     else 0, and 0 on every padding row, also for a token whose id is num_experts: the kernels skip
-    padding rows, the reference gathers a real expert for them). One token with size == k takes no sort and no reductions: uniq
-    is its ids as they are (an id >= num_experts stays, with coefficient 0; top-k never repeats an
-    id, and a repeated one would run once per slot with its own weight: the same sum) and coef its
-    weights (H200, session 16: the MXFP4 Pallas op at batch 1 105.3 -> 101.3 us without the
-    dispatch's small fusions).
+    padding rows, the reference gathers a real expert for them).
+
+    One token with size == k takes no sort and no reductions: uniq is its ids as they are (an id
+    >= num_experts stays, with coefficient 0; top-k never repeats an id, and a repeated one would
+    run once per slot with its own weight: the same sum) and coef its weights (H200, session 16:
+    the MXFP4 Pallas op at batch 1 105.3 -> 101.3 us without the dispatch's small fusions).
     """
     if ids.shape[0] == 1 and size == ids.shape[1]:
         return ids[0].astype(jnp.int32), jnp.where(ids < num_experts, weights, 0.0).T.astype(f32)
