@@ -14,7 +14,9 @@ cache, 1152 B per token per sequence).
    their attention rows are computed and dropped) and q_rope re-laid out as [Bp, Hp, R].
 2. `_attend` (flash decoding): grid (head group of 64, batch, split), three warpgroups per block:
    a producer streams the split's cache tiles (64 tokens: 64 KB latent + 8 KB k_rope) GMEM -> SMEM
-   by TMA into a 2-stage ring; two consumers share every tile, each owning one C half of the
+   by TMA into a 2-stage ring - only the tiles holding a token below kv_len (the cache is
+   allocated for the longest sequence; a split wholly past kv_len reads nothing, and its l = 0
+   gives it no weight); two consumers share every tile, each owning one C half of the
    output: scores [64 heads, 64 tokens] = q_lat @ latent.T + q_rope @ k_rope.T by wgmma (float32),
    masked by position < kv_len, online softmax in registers (base 2), then o[64, C/2] += p @
    latent[:, half] by wgmma. Heads are wgmma's M side, so H = 96 is two groups (the second half
@@ -200,6 +202,11 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
         heads = pl.ds(gi * BLOCK_H, BLOCK_H)
         toks = lambda t: pl.ds(si * per + t * BLOCK_L, BLOCK_L)  # noqa: E731
 
+        def live_steps():
+            """This split's tiles holding a token below kv_len (later tiles are neither read nor scored)."""
+            valid = plgpu.load(len_gmem.at[bi]) - si * per
+            return jnp.clip((valid + BLOCK_L - 1) // BLOCK_L, 0, steps)
+
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
@@ -212,10 +219,13 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
                     plgpu.copy_gmem_to_smem(lat_gmem.at[bi, toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
                                             lat_bar.at[2 * slot + j])
                 plgpu.copy_gmem_to_smem(kr_gmem.at[bi, toks(t)], kr_smem.at[slot], kr_bar.at[slot])
+            live = live_steps()
             for t in range(min(STAGES, steps)):
-                load(t, t)
+                @pl.when(t < live)
+                def _(t=t):
+                    load(t, t)
 
-            @pl.loop(STAGES, max(steps, STAGES))
+            @pl.loop(STAGES, jnp.maximum(live, STAGES))
             def _(t):
                 slot = t % STAGES
                 plgpu.barrier_wait(free_bar.at[slot])     # both consumers are done with step t - STAGES
@@ -256,13 +266,15 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
             init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
                     plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
-            acc, m_i, l_i = jax.lax.fori_loop(0, steps, step, init)
+            acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(), step, init)
 
             # Both consumers read every tile to the end: wait for both before staging o in one.
             plgpu.barrier_arrive(done_bar)
             plgpu.barrier_wait(done_bar)
             o_smem = lat_smem.at[0, wg]
-            o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(o_smem.dtype)
+            # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
+            l_pos = jnp.maximum(l_i, 1e-30)
+            o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [0])).astype(o_smem.dtype)
 
             @pl.when(wg == 0)       # both consumers hold the same (m, l); one writes them
             def _():
