@@ -401,6 +401,8 @@ def cases() -> list[registry.Case]:
              case("fallback_l100", 2, 4, 16, 16, 128, 16, 100)]
     k3 = [case(f"ctx{ctx}_b{bb}", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}))
           for ctx in K3_CONTEXTS for bb in BENCH_BATCHES if bb * ctx <= 32 * 32768]
+    # Sequences of random lengths in one cache (the tiles past each kv_len are skipped).
+    k3.append(case("ctx4096_b8_ragged", 8, *K3.values(), 4096, sizes=frozenset({"k3"})))
     return small + k3
 
 
