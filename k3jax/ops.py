@@ -30,20 +30,16 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
                       preferred_element_type=f32).astype(x.dtype)
 
 
-def rms_normalize(x: jax.Array, eps: float, mean_sq: jax.Array | None = None) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis: x [..., D] -> [..., D] float32, no weight.
-    mean_sq: mean(x^2) of the whole normalised vector (float32, broadcastable), given when x is
-    only a slice of it (a kernel program holding some of its columns)."""
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis: x [..., D] -> [..., D] float32, no weight."""
     xf = x.astype(f32)
-    if mean_sq is None:
-        mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    return xf * jax.lax.rsqrt(mean_sq + eps)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, mean_sq: jax.Array | None = None) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Hugging Face RMSNorm: x [..., D], weight [D] -> [..., D] in x's dtype (normalise in
-    float32, cast back, then scale by the weight cast to x's dtype); mean_sq: `rms_normalize`."""
-    return weight.astype(x.dtype) * rms_normalize(x, eps, mean_sq).astype(x.dtype)
+    float32, cast back, then scale by the weight cast to x's dtype)."""
+    return weight.astype(x.dtype) * rms_normalize(x, eps).astype(x.dtype)
 
 
 def sigmoid_gate(o: jax.Array, gate: jax.Array) -> jax.Array:
@@ -51,11 +47,9 @@ def sigmoid_gate(o: jax.Array, gate: jax.Array) -> jax.Array:
     return o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
 
 
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
-                   mean_sq: jax.Array | None = None) -> jax.Array:
-    """KDA output norm: x, gate [..., D], weight [D] -> sigmoid_gate(rms_norm(x), gate) [..., D] in
-    x's dtype; mean_sq: `rms_normalize`."""
-    return sigmoid_gate(rms_norm(x, weight, eps, mean_sq), gate)
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """KDA output norm: x, gate [..., D], weight [D] -> sigmoid_gate(rms_norm(x), gate) [..., D] in x's dtype."""
+    return sigmoid_gate(rms_norm(x, weight, eps), gate)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -69,14 +69,6 @@ gated norm would run in the state kernel instead of a separate 2.3 us XLA fusion
 kernel slowed from 30.7 to 42.8 us at b8 and 107.2 to 140.1 at b32 (session 9). The conv window is not updated in place (its bytes are
 the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
 launch costs more than it saves).
-
-"shared" (`_shared_kernel`, session 17) is the whole step as one launch without repeating the
-prep: one block per (sequence, head) of `splits` warpgroups (SHARED_SPLITS = 4), each owning d /
-splits value columns as a split program does, and the prep's roles divided among them - the q, k
-and v parts' conv (+ norm) and the gates - so each warpgroup runs a quarter of the small-input
-chain while its slab's TMA is in flight; the results meet in SMEM behind one barrier, and a second
-one sums the gated norm's squares (ops.gated_rms_norm with the head's mean square), so the norm
-needs no XLA pass either.
 """
 
 from __future__ import annotations
@@ -96,8 +88,7 @@ WGMMA = plgpu.Layout.WGMMA
 ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / columns (value)
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
-PREPS = ("fused", "xla", "kernel", "shared")    # where the inputs are prepared (`kda_decode`, `prep_mode`)
-SHARED_SPLITS = 4       # "shared": warpgroups per (sequence, head), by default
+PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`, `prep_mode`)
 # Splits from two (sequence, head) pairs per SM (`plan`), by where the inputs are prepared: 2 for
 # the fused kernel (session 5) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
 PREPPED_SPLITS = {"fused": 2, "xla": 2, "kernel": 4}
@@ -117,8 +108,6 @@ def plan(batch: int, heads: int, sms: int, prep: str | None = None) -> int:
     the (sequence, head) pairs are fewer than the SMs, 1 below two pairs per SM, else
     PREPPED_SPLITS of where the inputs are prepared (default `prep_mode`: from two pairs per SM
     they are prepared first)."""
-    if prep == "shared":
-        return SHARED_SPLITS
     pairs = batch * heads
     if pairs < sms:
         return 4
@@ -179,54 +168,44 @@ def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
     return out, jax.freeze(state)
 
 
-def _part_loads(cs_g, qkv_g, cw_g, b, h, i: int, d: int):
-    """Inside a kernel: the short conv's loads for part i (0 q, 1 k, 2 v channels) of sequence b,
-    head h (head dim d) from the GMEM refs conv_state, qkv, conv_w -> (the K taps (bf16), the K
-    conv_w columns (f32)), [d] vectors in the row layout."""
-    km1, c3 = cs_g.shape[1:]
-    ch = pl.ds(i * (c3 // 3) + h * d, d)
-    # conv_w's columns are strided, which only the row layout loads.
-    return ([_vec(cs_g.at[b, j, ch], ROW) for j in range(km1)] + [_vec(qkv_g.at[b, ch], ROW)],
-            [_vec(cw_g.at[ch, j], ROW) for j in range(km1 + 1)])
-
-
-def _part_math(i: int, taps, weights, win_smem):
-    """Inside a kernel: part i of ops.kda_step_inputs from its `_part_loads` -> q (l2-normalised,
-    times d^-0.5), k (l2-normalised) or v: [d] float32 in the row layout; the part's shifted conv
-    window (rows 1..K-2, then the new input; bf16) into win_smem[i] ([3, K-1, d])."""
-    for j in range(len(taps) - 1):
-        win_smem[i, j] = taps[j + 1].astype(win_smem.dtype)
-    x = ops.conv_taps(taps, weights)
-    if i == 2:
-        return x
-    x = ops.l2_normalize(x)
-    return x * x.shape[0] ** -0.5 if i == 0 else x
-
-
-def _gate_math(f, dt_bias, a_log, beta_logit, lower_bound: float | None):
-    """Inside a kernel: ops.kda_decay's formula (either gate form) on one head's f, dt_bias [d] and
-    scalar a_log, and beta = sigmoid(beta_logit) -> (decay = exp(g) [d] float32, beta float32)."""
-    g = ops.log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32)), lower_bound)
-    return jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
-
-
 def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
     """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
     GMEM refs conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias -> a pytree for `_head_math`:
-    the three parts' `_part_loads`, f and dt_bias [d] in the row layout, a_log[h] and
-    beta_logit[b, h] scalars. Issued apart from the math so that a program can start the next
-    head's loads before this head's math (`_prep_kernel`)."""
+    per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
+    all in the row layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so that a
+    program can start the next head's loads before this head's math (`_prep_kernel`)."""
+    km1, c3 = cs_g.shape[1:]
+    p = c3 // 3
+
+    def part(i):
+        ch = pl.ds(i * p + h * d, d)
+        # conv_w's columns are strided, which only the row layout loads.
+        return ([_vec(cs_g.at[b, j, ch], ROW) for j in range(km1)] + [_vec(qkv_g.at[b, ch], ROW)],
+                [_vec(cw_g.at[ch, j], ROW) for j in range(km1 + 1)])
+
     heads = pl.ds(h * d, d)
-    return ([_part_loads(cs_g, qkv_g, cw_g, b, h, i, d) for i in range(3)], _vec(f_g.at[b, heads], ROW),
-            _vec(dtb_g.at[heads], ROW), alog_g[h], bl_g[b, h])
+    return [part(i) for i in range(3)], _vec(f_g.at[b, heads], ROW), _vec(dtb_g.at[heads], ROW), alog_g[h], bl_g[b, h]
 
 
 def _head_math(loaded, win_smem, *, lower_bound: float | None):
     """Inside a kernel: ops.kda_step_inputs on one head's `_head_loads` -> (q, k, v, decay = exp(g):
     [d] float32 in the row layout; beta: a float32 scalar), and the head's shifted conv window
-    into win_smem [3 (q, k, v channels), K-1, d]."""
+    (rows 1..K-2, then the new input; bf16) into win_smem [3 (q, k, v channels), K-1, d]."""
     parts, f, dt_bias, a_log, beta_logit = loaded
-    return (*(_part_math(i, *parts[i], win_smem) for i in range(3)), *_gate_math(f, dt_bias, a_log, beta_logit, lower_bound))
+    d = f.shape[0]
+
+    def conv(i):
+        taps, weights = parts[i]
+        for j in range(len(taps) - 1):
+            win_smem[i, j] = taps[j + 1].astype(win_smem.dtype)
+        return ops.conv_taps(taps, weights)
+
+    q = ops.l2_normalize(conv(0)) * d ** -0.5
+    k = ops.l2_normalize(conv(1))
+    v = conv(2)
+    # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
+    g = ops.log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32)), lower_bound)
+    return q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
 
 
 def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h, *, lower_bound: float | None):
@@ -285,11 +264,11 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
     return tuple(inputs), conv
 
 
-def _delta_step(s_smem, q, k, v, decay, beta, dtype):
+def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
     """ops.kda_recurrent_step on the [d (key), w (value)] float32 slab in s_smem (updated there):
-    decay, delta-rule rank-1 update, read-out with q -> o [w] rounded to `dtype` where
-    ops.kda_decode rounds it (column layout). q, k, decay: [d] in the row layout; v: [w] in the
-    column layout; beta: a scalar or [w] in the column layout."""
+    decay, delta-rule rank-1 update, read-out with q, rounded to `dtype` where ops.kda_decode
+    rounds it (then, with norm = (gate, weight, eps), its gated RMSNorm), into o_smem.
+    q, k, decay: [d] in the row layout; v: [w] in the column layout; beta: a scalar."""
     s = plgpu.load(s_smem, layout=WGMMA)
     s = s * _bcast(decay, s.shape, 0)
     kk = _bcast(k, s.shape, 0)
@@ -298,14 +277,7 @@ def _delta_step(s_smem, q, k, v, decay, beta, dtype):
     s = s + kk * _bcast(u, s.shape, 1)
     o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0).astype(dtype)
     s_smem[...] = s
-    return o
-
-
-def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
-    """`_delta_step`, then (with norm = (gate, weight, eps): the whole head's o is here) the gated
-    RMSNorm; o into o_smem."""
-    o = _delta_step(s_smem, q, k, v, decay, beta, dtype)
-    if norm is not None:
+    if norm is not None:    # the whole head's o is here: the gated norm fuses
         o = ops.gated_rms_norm(o, *norm)
     o_smem[...] = o
     plgpu.commit_smem()
@@ -391,77 +363,6 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
                      q, k, v, decay, beta, gate, o_norm, recurrent=recurrent)
 
 
-def _shared_kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                   *, num_heads: int, lower_bound: float | None, eps: float, splits: int):
-    """The whole step in one kernel over grid (B, H) with `splits` warpgroups per (sequence, head)
-    sharing its work: warpgroup j owns value columns j d / splits .. of the state and the prep roles
-    r = 0..3 with r % splits == j (r < 3: part r's conv, its norm and its window rows; 3: decay and
-    beta), which reach the others through SMEM; the gated norm's sum of squares is summed over the
-    warpgroups through SMEM too. -> (o [B, P] bf16, gated-normed, new conv_state, new recurrent)."""
-    b_n, km1, c3 = conv_state.shape
-    h_n, d = num_heads, recurrent.shape[-1]
-    p = c3 // 3
-    w = d // splits
-    bf16 = qkv.dtype
-
-    def kda_shared_step(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g,
-                        s_smem, vec_smem, win_smem, o_smem, ss_smem, slab_bar, prep_bar, norm_bar):
-        b, h, j = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("wg")
-        cols = pl.ds(j * w, w)
-        heads = pl.ds(h * d, d)
-        # The state's read is the step's cost: start it before anything else.
-        plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem.at[j], slab_bar.at[j])
-
-        for r in range(3):
-            @pl.when(j == r % splits)
-            def _(r=r):
-                vec_smem[r] = _part_math(r, *_part_loads(cs_g, qkv_g, cw_g, b, h, r, d), win_smem)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(win_smem.at[r], cs_out_g.at[b, :, pl.ds(r * p + h * d, d)])
-
-        @pl.when(j == 3 % splits)
-        def _():
-            decay, beta = _gate_math(_vec(f_g.at[b, heads], ROW), _vec(dtb_g.at[heads], ROW), alog_g[h], bl_g[b, h],
-                                     lower_bound)
-            vec_smem[3] = decay
-            vec_smem[4] = plgpu.layout_cast(jnp.full((d,), beta, f32), ROW)   # read back in the column layout
-            plgpu.commit_smem()
-
-        plgpu.barrier_arrive(prep_bar)
-        plgpu.barrier_wait(prep_bar)
-        q, k, decay = (_vec(vec_smem.at[r], ROW) for r in (0, 1, 3))
-        v, beta = (_vec(vec_smem.at[r, cols], COL) for r in (2, 4))
-        plgpu.barrier_wait(slab_bar.at[j])
-        o = _delta_step(s_smem.at[j], q, k, v, decay, beta, bf16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_smem.at[j], s_g.at[b, h, :, cols])      # in place: this warpgroup's slab
-        of = o.astype(f32)
-        ss_smem[j] = jnp.sum(of * of)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(norm_bar)
-        plgpu.barrier_wait(norm_bar)
-        mean_sq = sum(ss_smem[i] for i in range(splits)) / d
-        out = pl.ds(h * d + j * w, w)
-        o_smem[j] = ops.gated_rms_norm(o, _vec(gate_g.at[b, out], COL), _vec(on_g.at[cols], COL), eps, mean_sq)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[j], o_g.at[b, out])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    state = jax.new_ref(recurrent)
-    o, conv = plgpu.kernel(
-        kda_shared_step,
-        out_type=(jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        scratch_types=[plgpu.SMEM((splits, d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((5, d), f32),
-                       plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((splits, w), bf16), plgpu.SMEM((splits,), f32),
-                       plgpu.Barrier(num_barriers=splits), plgpu.Barrier(num_arrivals=splits),
-                       plgpu.Barrier(num_arrivals=splits)],
-        grid=(b_n, h_n), grid_names=("b", "h"), num_threads=splits, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=mgpu.interpret_params(),
-    )(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, state)
-    return o, conv, jax.freeze(state)
-
-
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
                prep: str | None = None, prep_group: int = 1):
@@ -469,8 +370,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     value-column split; prep (one of PREPS; default `prep_mode`) where the conv, norms, decay and
     beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
     `_prep_kernel` (prep_group heads per program) and "xla" by XLA ops, both before a kernel
-    that does only the delta rule, "shared" inside one kernel whose `splits` warpgroups per
-    (sequence, head) share it (`_shared_kernel`). The overrides are for ablations and benchmarks."""
+    that does only the delta rule. The overrides are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     if prep is not None and prep not in PREPS:
@@ -484,9 +384,6 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     prep = prep or prep_mode(qkv.shape[0], num_heads, sms)
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
-    if prep == "shared":
-        return _shared_kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits or SHARED_SPLITS)
     splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,

@@ -23,8 +23,7 @@ PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
 # prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus gate
 # (the gate is XLA's formula before the kernel: the kernel is the same, the data differ); after the
 # prep kernel at one split per case (the delta-rule kernel is the same, so the splits rotate over
-# the cases); the shared-prep kernel at one split (warpgroups) per case, rotating; the fallback
-# case ignores both.
+# the cases); the fallback case ignores both.
 def _rotated(cases, prep):
     return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep) for i, c in enumerate(cases)]
 
@@ -32,7 +31,7 @@ def _rotated(cases, prep):
 SOFTPLUS = [c for c in PREPPED if c.kw["lower_bound"] is None]
 SMALL_SPLITS = ([(c, s, "fused") for c in PREPPED for s in kd.SPLITS]
                 + [(c, s, "xla") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
-                + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel") + _rotated(PREPPED, "shared")
+                + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel")
                 + [(c, None, None) for c in SMALL if c.name.startswith("fallback")])
 
 
@@ -118,7 +117,7 @@ def test_kda_decode_plan():
     # from two, 4 after the prep kernel and 2 after XLA's prep or in the fused kernel.
     assert [kd.plan(b, kd.K3_HEADS, 132) for b in (1, 2, 3, 8, 22, 23, 128)] == [4, 1, 4, 4, 4, 2, 2]
     assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 9, 32, 67)] == [4, 4, 1, 1, 4, 4, 2]
-    assert [kd.plan(8, kd.K3_HEADS, 132, prep) for prep in kd.PREPS] == [2, 2, 4, kd.SHARED_SPLITS]
+    assert [kd.plan(8, kd.K3_HEADS, 132, prep) for prep in kd.PREPS] == [2, 2, 4]
     assert kd.plan(1, kd.K3_HEADS, 132, "xla") == 4             # fewer pairs than SMs: whatever the prep
     # Inputs prepared first from two pairs per SM (K3 from batch 3, Kimi-Linear from 9): by the prep
     # kernel up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs per SM, by XLA above (session 9: K3 b8 kernel, b32 xla).
@@ -147,7 +146,7 @@ def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, prep):
 # The real kernels: fused and XLA-prep at every split, the prep kernel at the default split (the
 # delta-rule kernel after it is the XLA-prep one).
 @pytest.mark.gpu
-@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in ("fused", "xla", "shared")]
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")]
                          + [(c, None, "kernel") for c in K3], ids=_ids)
 def test_kda_decode_gpu(param):
     case, splits, prep = param
