@@ -68,7 +68,11 @@ batches 9-66 take it unmeasured), 2 after XLA's (b32: 133.8-134.9 / 133.3, a tie
 gated norm would run in the state kernel instead of a separate 2.3 us XLA fusion, but the state
 kernel slowed from 30.7 to 42.8 us at b8 and 107.2 to 140.1 at b32 (session 9). The conv window is not updated in place (its bytes are
 the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
-launch costs more than it saves).
+launch costs more than it saves). Tried and not kept (session 17): the step as one launch of
+four-warpgroup blocks, one per (sequence, head), dividing the prep and the value columns and
+exchanging through SMEM (no repeated prep, no XLA norm): K3 b8 47.1 us against 39.1 (103
+registers x 512 threads: one block per SM), and its GPU outputs were wrong where interpret mode
+passed.
 """
 
 from __future__ import annotations
