@@ -72,7 +72,7 @@ launch costs more than it saves). Tried and not kept (session 17): the step as o
 four-warpgroup blocks, one per (sequence, head), dividing the prep and the value columns and
 exchanging through SMEM (no repeated prep, no XLA norm): K3 b8 47.1 us against 39.1 (103
 registers x 512 threads: one block per SM), and its GPU outputs were wrong where interpret mode
-passed. Nor 8 value-column splits (session 17, us for 4 / 8 splits: b8 39.2 / 42.7, b16 70.2 /
+passed (the code: commit ec1fb42). Nor 8 value-column splits (session 17, us for 4 / 8 splits: b8 39.2 / 42.7, b16 70.2 /
 82.8, b32 134.0 / 161.0; b3 a tie).
 """
 
