@@ -202,9 +202,12 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
         heads = pl.ds(gi * BLOCK_H, BLOCK_H)
         toks = lambda t: pl.ds(si * per + t * BLOCK_L, BLOCK_L)  # noqa: E731
 
-        def live_steps():
-            """This split's tiles holding a token below kv_len (later tiles are neither read nor scored)."""
-            valid = plgpu.load(len_gmem.at[bi]) - si * per
+        def valid_tokens():
+            """Tokens of this split below kv_len (negative: the split lies wholly past it)."""
+            return plgpu.load(len_gmem.at[bi]) - si * per
+
+        def live_steps(valid):
+            """This split's tiles holding one of its `valid` tokens (later tiles are neither read nor scored)."""
             return jnp.clip((valid + BLOCK_L - 1) // BLOCK_L, 0, steps)
 
         @pl.when(wg == 2)
@@ -219,7 +222,7 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
                     plgpu.copy_gmem_to_smem(lat_gmem.at[bi, toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
                                             lat_bar.at[2 * slot + j])
                 plgpu.copy_gmem_to_smem(kr_gmem.at[bi, toks(t)], kr_smem.at[slot], kr_bar.at[slot])
-            live = live_steps()
+            live = live_steps(valid_tokens())
             for t in range(min(STAGES, steps)):
                 @pl.when(t < live)
                 def _(t=t):
@@ -234,7 +237,7 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            valid = plgpu.load(len_gmem.at[bi]) - si * per      # tokens of this split below kv_len
+            valid = valid_tokens()
             for j in range(3):
                 plgpu.barrier_wait(q_bar.at[j])
 
@@ -266,7 +269,7 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
             init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
                     plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
-            acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(), step, init)
+            acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(valid), step, init)
 
             # Both consumers read every tile to the end: wait for both before staging o in one.
             plgpu.barrier_arrive(done_bar)

@@ -29,17 +29,15 @@ def test_kv_len_is_a_traced_value():
     """One compiled step serves every length: kv_len changes without retracing, and tokens past
     it do not leak into the result."""
     args = list(mla._make(2, 8, 32, 64, 128, 32, 128, lens=[64, 128])(jax.random.key(0)))
+    # The first interpreted call of a kernel loop with a traced trip count imports a Pallas module
+    # that registers a jax config flag, which changes jit's tracing context once: run one first.
+    jax.jit(lambda *a: mla.mla_decode(*a, 0.1))(*args)
     run = jax.jit(lambda *a: mla.mla_decode(*a, 0.1))
-    sizes = []
     for lens in ([64, 128], [3, 100], [128, 1]):
         args[-1] = jnp.asarray(lens, jnp.int32)
         err = registry.relative_max_error(run(*args), ops.mla_decode(*args, 0.1))
         assert err <= SPEC.allowed(None, args, {}), (lens, err)
-        sizes.append(run._cache_size())
-    # The first interpreted call of a kernel loop with a traced trip count imports a Pallas module
-    # that registers a jax config flag, which changes jit's tracing context once (a GPU compiles
-    # once); from then on no length retraces.
-    assert sizes[2] == sizes[1] <= 2, sizes
+    assert run._cache_size() == 1
 
 
 @pytest.mark.parametrize("length", [64, 192, 32768])
