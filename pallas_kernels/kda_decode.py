@@ -49,22 +49,29 @@ prepared first and a second kernel (`_state_kernel`) does only the delta rule on
 decay and beta: alone it streams the state at ~91% of the copy rate (K3 b128: 411 us for 1.6 GB).
 "kernel" prepares them with `_prep_kernel` (one launch; the per-head code is the fused kernel's,
 `_head_loads` + `_head_math`: conv + SiLU, L2 norms, q * d^-0.5, the decay already exponentiated,
-beta, the shifted window); "xla" runs ops.kda_step_inputs as XLA ops (5+ launches). Measured
-(session 9, H200, donated state, CUPTI sum per call, default splits 2; us and roofline fraction):
-K3 b8 xla 46.2 (53.4%) / kernel 39.1 (63.1%; of it the prep kernel 6.5 us and the XLA norm 2.3),
-b32 131.8 (74.5%) / 132.8 (73.9%; prep 21.9), b128 470.6 (83.4%) / 491.8 (79.8%; prep 74.4); fused
-b1 8.8 (36.6%), b8 49.5 (49.8%). The prep kernel is bound by per-program latency, not bytes (~6.5
-MB at b8, ~1.5 us of them): one warpgroup per (sequence, head) is the fastest measured. Letting a
-program loop over `group` consecutive heads (the next head's loads issued before this head's
-math, outputs through double-buffered SMEM; `kda_decode(prep_group=G)`, an ablation) was slower
-at every size tried (session 9, the prep kernel alone, us: K3 b8 G = 1 / 2 / 4: 5.8 / 8.7 / 9.0;
-b128 G = 8 / 32: 105.0 / 132.9, against G = 1's 74.4 within the step above): fewer programs in
-flight hide less of each one's serial load -> math -> store chain. `prep_mode` picks "kernel" up to PREP_KERNEL_MAX_PAIRS_PER_SM pairs
-per SM (K3 b8), "xla" above (b32: a tie; b128: XLA's fusions are cheaper than 12288 programs).
+beta, the shifted window); "xla" runs ops.kda_step_inputs as XLA ops (5+ launches). The prep
+kernel is bound by per-program latency and instruction issue, not bytes (~6.5 MB at K3 b8, ~1.5
+us of them). Since session 18 it holds a head's vectors in `_dense`'s layout (one channel a
+thread) and writes its outputs from registers straight to GMEM: in the row layout the delta rule
+needs, each of a thread's 4 channels sits in 4 lanes, so every load and operation was issued 4
+times (session 17's ncu: 854 instructions a warp, LG-throttle stalls). Measured (session 18, H200,
+donated state, CUPTI sum per call, 4 splits; us and roofline fraction, row layout -> dense):
+K3 b3 19.8 -> 18.4-18.5, **b8 38.6-38.9 (63.3-63.9%) -> 35.3-35.5 (69.4-69.9%)** (prep kernel
+7.7 -> 4.1-4.3 us, the state kernel 28.8-29.3, the XLA norm 2.1-2.3), b16 70.2 -> 64.7 (75.9%),
+b32 130.8 -> 120.0 (81.8%; XLA's prep 134.7), b128 450.1-454.6 (86.3-87.1%; XLA's prep 471.8):
+the prep kernel now beats XLA's prep at every batch, so `prep_mode` no longer switches to it.
+Staging the outputs through SMEM + TMA instead of the direct stores: b8 35.8 us. One warpgroup per
+(sequence, head) is still the fastest: letting a program loop over `group` consecutive heads (the
+next head's loads issued before this head's math; `kda_decode(prep_group=G)`, an ablation) was
+slower at every size tried (session 9, row layout, the prep kernel alone, us: K3 b8 G = 1 / 2 / 4:
+5.8 / 8.7 / 9.0; b128 G = 8 / 32: 105.0 / 132.9, against G = 1's 74.4; session 18, dense: b8 G = 2
+36.4 us for the op against 35.3-35.6): fewer programs in flight hide less of each one's serial
+load -> math -> store chain.
 After a prep the splits are PREPPED_SPLITS[prep]: 4 after the prep kernel (session 16, K3, us
 for 2 / 4 splits, the whole op: b3 21.3-21.6 / 20.3, b8 40.4-41.4 / 38.9-39.4, b16 72.0-72.2 /
 70.7: the state kernel's 16 KB slabs leave room for more programs per SM; Kimi-Linear's prep-kernel
-batches 9-66 take it unmeasured), 2 after XLA's (b32: 133.8-134.9 / 133.3, a tie). With 1 the
+batches 9-66 take it unmeasured; session 18, dense prep: b8 36.9 / 35.3-35.5, b32 121.5-122.8 /
+120.0-120.2, b128 453.3-456.7 / 454.1-454.6), 2 after XLA's (b32: 133.8-134.9 / 133.3, a tie). With 1 the
 gated norm would run in the state kernel instead of a separate 2.3 us XLA fusion, but the state
 kernel slowed from 30.7 to 42.8 us at b8 and 107.2 to 140.1 at b32 (session 9). The conv window is not updated in place (its bytes are
 the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
@@ -97,8 +104,6 @@ PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_de
 # Splits from two (sequence, head) pairs per SM (`plan`), by where the inputs are prepared: 2 for
 # the fused kernel (session 5) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
 PREPPED_SPLITS = {"fused": 2, "xla": 2, "kernel": 4}
-# "kernel" prep up to this many (sequence, head) pairs per SM, "xla" above (`prep_mode`).
-PREP_KERNEL_MAX_PAIRS_PER_SM = 16
 
 
 def _state_tiling(cols: int):
@@ -124,16 +129,10 @@ def plan(batch: int, heads: int, sms: int, prep: str | None = None) -> int:
 def prep_mode(batch: int, heads: int, sms: int) -> str:
     """Where the inputs (ops.kda_step_inputs) are prepared (module doc). Below two (sequence, head)
     pairs per SM "fused" (inside the one kernel: a second launch costs more than it saves; K3 b1
-    ~11 us fused, ~16 us with XLA's prep). From there the inputs are prepared first, which paid
-    off on the H200 even as XLA ops (session 7, donated state: K3 b8 / b32 / b128 50.9 -> 46.3,
-    178.5 -> 131.1, 679.4 -> 471.7 us): by `_prep_kernel` ("kernel") up to
-    PREP_KERNEL_MAX_PAIRS_PER_SM pairs per SM, by XLA ("xla") above. Measured (session 9, CUPTI
-    sum, us, xla / kernel): K3 b8 46.2 / 39.1 (5.8 pairs per SM), b32 131.8 / 132.8 (23), b128
-    470.6 / 491.8 (93)."""
-    pairs = batch * heads
-    if pairs < 2 * sms:
-        return "fused"
-    return "kernel" if pairs <= PREP_KERNEL_MAX_PAIRS_PER_SM * sms else "xla"
+    ~11 us fused, ~16 us with XLA's prep). From there by `_prep_kernel` ("kernel") before the
+    delta-rule kernel; "xla" (XLA ops) stays for ablations. Measured (session 18, CUPTI sum, us,
+    xla / kernel): K3 b32 134.7 / 119.6, b128 471.8 / 450.1."""
+    return "fused" if batch * heads < 2 * sms else "kernel"
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
@@ -151,7 +150,7 @@ def _bcast(x, shape, dim: int):
 
 
 def _vec(ref, layout):
-    """A small vector from GMEM/SMEM in `layout` (ROW or COL)."""
+    """A small vector from GMEM/SMEM in `layout` (ROW, COL or `_dense`)."""
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
@@ -173,50 +172,57 @@ def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
     return out, jax.freeze(state)
 
 
-def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
+def _dense(d: int):
+    """The prep kernel's vector layout: a head's d channels spread over the warpgroup's 128 threads,
+    d / 128 each (the row layout holds 4 per thread at d = 128, each in 4 lanes: 4x the loads and
+    arithmetic); d < 128 keeps the row layout."""
+    return plgpu.Layout.WG_STRIDED((d,), d // 128) if d % 128 == 0 else ROW
+
+
+def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int, layout=ROW):
     """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
     GMEM refs conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias -> a pytree for `_head_math`:
     per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
-    all in the row layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so that a
-    program can start the next head's loads before this head's math (`_prep_kernel`)."""
+    all in `layout` (ROW: what the delta rule broadcasts; `_dense`); a_log[h], beta_logit[b, h]
+    scalars. Issued apart from the math so that a program can start the next head's loads before
+    this head's math (`_prep_kernel`)."""
     km1, c3 = cs_g.shape[1:]
     p = c3 // 3
 
     def part(i):
         ch = pl.ds(i * p + h * d, d)
-        # conv_w's columns are strided, which only the row layout loads.
-        return ([_vec(cs_g.at[b, j, ch], ROW) for j in range(km1)] + [_vec(qkv_g.at[b, ch], ROW)],
-                [_vec(cw_g.at[ch, j], ROW) for j in range(km1 + 1)])
+        return ([_vec(cs_g.at[b, j, ch], layout) for j in range(km1)] + [_vec(qkv_g.at[b, ch], layout)],
+                [_vec(cw_g.at[ch, j], layout) for j in range(km1 + 1)])     # strided columns
 
     heads = pl.ds(h * d, d)
-    return [part(i) for i in range(3)], _vec(f_g.at[b, heads], ROW), _vec(dtb_g.at[heads], ROW), alog_g[h], bl_g[b, h]
+    return ([part(i) for i in range(3)], _vec(f_g.at[b, heads], layout), _vec(dtb_g.at[heads], layout),
+            alog_g[h], bl_g[b, h])
 
 
-def _head_math(loaded, win_smem, *, lower_bound: float | None):
+def _head_math(loaded, *, lower_bound: float | None):
     """Inside a kernel: ops.kda_step_inputs on one head's `_head_loads` -> (q, k, v, decay = exp(g):
-    [d] float32 in the row layout; beta: a float32 scalar), and the head's shifted conv window
-    (rows 1..K-2, then the new input; bf16) into win_smem [3 (q, k, v channels), K-1, d]."""
+    [d] float32 in the loads' layout; beta: a float32 scalar), and the head's shifted conv window:
+    per part (q, k, v channels) its K-1 rows (rows 1..K-2 of the old window, then the new input)."""
     parts, f, dt_bias, a_log, beta_logit = loaded
     d = f.shape[0]
-
-    def conv(i):
-        taps, weights = parts[i]
-        for j in range(len(taps) - 1):
-            win_smem[i, j] = taps[j + 1].astype(win_smem.dtype)
-        return ops.conv_taps(taps, weights)
-
-    q = ops.l2_normalize(conv(0)) * d ** -0.5
-    k = ops.l2_normalize(conv(1))
-    v = conv(2)
+    q = ops.l2_normalize(ops.conv_taps(*parts[0])) * d ** -0.5
+    k = ops.l2_normalize(ops.conv_taps(*parts[1]))
+    v = ops.conv_taps(*parts[2])
     # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
     g = ops.log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32)), lower_bound)
-    return q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
+    window = [taps[1:] for taps, _ in parts]
+    return (q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))), window
 
 
 def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h, *, lower_bound: float | None):
-    """`_head_math` of `_head_loads` for sequence b, head h: (q, k, v, decay, beta), window -> win_smem."""
+    """`_head_math` of `_head_loads` (row layout) for sequence b, head h: (q, k, v, decay, beta);
+    the shifted window goes into win_smem [3 (q, k, v channels), K-1, d]."""
     loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, win_smem.shape[-1])
-    return _head_math(loaded, win_smem, lower_bound=lower_bound)
+    inputs, window = _head_math(loaded, lower_bound=lower_bound)
+    for i, rows in enumerate(window):
+        for j, row in enumerate(rows):
+            win_smem[i, j] = row.astype(win_smem.dtype)
+    return inputs
 
 
 def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_heads: int,
@@ -230,36 +236,28 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
     h_n, d = num_heads, p // num_heads
     if group < 1 or h_n % group:
         raise ValueError(f"_prep_kernel: group={group} does not divide num_heads={h_n}")
-    copies = 4 + 3      # TMA stores per head: q, k, v, decay; the window's three parts
 
     def kda_step_prep(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, q_g, k_g, v_g, dec_g, beta_g, cs_out_g):
         b, h0 = jax.lax.axis_index("b"), jax.lax.axis_index("h") * group
 
         def loads(i):
-            return _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h0 + i, d)
+            return _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h0 + i, d, _dense(d))
 
-        def scoped(vec_smem, win_smem):
-            def head(i, loaded):
-                # The next head's loads go out before this head's math (the last head's are not used).
-                nxt = loads(jnp.minimum(i + 1, group - 1)) if group > 1 else loaded
-                slot = i % 2        # SMEM double buffer: the stores of head i - 2 must have read it
-                plgpu.wait_smem_to_gmem(copies, wait_read_only=True)
-                *vecs, beta = _head_math(loaded, win_smem.at[slot], lower_bound=lower_bound)
-                h = h0 + i
-                for j, x in enumerate(vecs):
-                    vec_smem[slot, j] = x
-                beta_g[b, h] = beta
-                plgpu.commit_smem()
-                for j, out in enumerate((q_g, k_g, v_g, dec_g)):
-                    plgpu.copy_smem_to_gmem(vec_smem.at[slot, j], out.at[b, h])
-                for part in range(3):
-                    plgpu.copy_smem_to_gmem(win_smem.at[slot, part], cs_out_g.at[b, :, pl.ds(part * p + h * d, d)])
-                return nxt
+        def head(i, loaded):
+            # The next head's loads go out before this head's math (the last head's are not used).
+            nxt = loads(jnp.minimum(i + 1, group - 1)) if group > 1 else loaded
+            inputs, window = _head_math(loaded, lower_bound=lower_bound)
+            h = h0 + i
+            q, k, v, decay, beta = inputs
+            beta_g[b, h] = beta
+            for x, out in ((q, q_g), (k, k_g), (v, v_g), (decay, dec_g)):
+                out[b, h] = x                   # straight from registers: no SMEM staging
+            for part, rows in enumerate(window):
+                for j, row in enumerate(rows):
+                    cs_out_g[b, j, pl.ds(part * p + h * d, d)] = row
+            return nxt
 
-            jax.lax.fori_loop(0, group, head, loads(0))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        pl.run_scoped(scoped, plgpu.SMEM((2, 4, d), f32), plgpu.SMEM((2, 3, km1, d), conv_state.dtype))
+        jax.lax.fori_loop(0, group, head, loads(0))
 
     vec = jax.ShapeDtypeStruct((b_n, h_n, d), f32)
     *inputs, conv = _launch(
