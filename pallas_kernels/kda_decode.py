@@ -13,8 +13,9 @@ once and written once: each program's [d, d / splits] column slab travels GMEM -
 meanwhile from the small inputs, which every split does whole (cheap next to the slab): the
 short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k and v channels, L2
 norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
-softplus form) and beta (`_head_inputs` = `_head_math` of `_head_loads`, the two pieces the prep
-kernel below shares). The slab then
+softplus form) and beta (`_head_inputs` = `_head_math` of `_head_loads`, the two pieces the
+ablation's prep kernel below shares), one channel a thread (`_dense`) and moved to the row / column
+layouts the delta rule broadcasts through SMEM. The slab then
 sits in registers in the wgmma layout (128 / splits f32 a thread at d = 128), where the delta
 rule is a few broadcasts and two column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
 place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
@@ -31,56 +32,39 @@ or for non-bf16 activations the reference runs (`unsupported()` says why; logged
 
 Roofline: 2 x B x H x d^2 x 4 bytes of state (B = 1, K3: 12.6 MB, ~2.9 us at 4.3 TB/s;
 Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. One program is a serial
-TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap them: with one
-split, batch 1 is 96 (K3) or 32 (Kimi-Linear) programs for 132 SMs, measured at 26% of the
-roofline (K3). `plan` follows what the H200 measured (session 5, us for splits 1 / 2 / 4): with
-fewer (sequence, head) pairs than SMs, 4 splits fill them (Kimi-Linear b1 11.4 / 10.2 / 9.5; K3 b1
-12.5 / 13.3 / 12.6: one program's TMA-compute-TMA latency bounds it either way); from two pairs
-per SM, 2 splits, whose halved register slab lets more programs stay resident (K3 b8 54.4 / 51.5 /
-52.5, b32 203 / 175 / 184, b128 773 / 656 / 704; Kimi-Linear b32 70.5 / 65.2 / 67.0); in between,
-1 (Kimi-Linear b8 19.7 / 25.2 / 22.4). Splitting repeats the small inputs' work and reads (L2
-hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of bytes).
+TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap them. `plan`: 4
+splits while the (sequence, head) pairs are fewer than the SMs (K3 b1: 96 pairs), else 2, whose
+halved register slab lets more programs stay resident. Splitting repeats the small inputs' work
+and reads (L2 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of
+bytes; 1 split runs it in the kernel, slower everywhere measured).
 
-Where the inputs are prepared (`prep_mode`, `kda_decode(prep=...)`): the per-program chain of
-small loads, conv, norms and reductions, not the slab's TMA, bounds the fused kernel above (a
-variant streaming several items' slabs through a TMA pipeline per program was slower;
-BENCHMARKS.md, session 7). From two (sequence, head) pairs per SM the inputs are therefore
-prepared first and a second kernel (`_state_kernel`) does only the delta rule on ready q, k, v,
-decay and beta: alone it streams the state at ~91% of the copy rate (K3 b128: 411 us for 1.6 GB).
-"kernel" prepares them with `_prep_kernel` (one launch; the per-head code is the fused kernel's,
-`_head_loads` + `_head_math`: conv + SiLU, L2 norms, q * d^-0.5, the decay already exponentiated,
-beta, the shifted window); "xla" runs ops.kda_step_inputs as XLA ops (5+ launches). The prep
-kernel is bound by per-program latency and instruction issue, not bytes (~6.5 MB at K3 b8, ~1.5
-us of them). Since session 18 it holds a head's vectors in `_dense`'s layout (one channel a
-thread) and writes its outputs from registers straight to GMEM: in the row layout the delta rule
-needs, each of a thread's 4 channels sits in 4 lanes, so every load and operation was issued 4
-times (session 17's ncu: 854 instructions a warp, LG-throttle stalls). Measured (session 18, H200,
-donated state, CUPTI sum per call, 4 splits; us and roofline fraction, row layout -> dense):
-K3 b3 19.8 -> 18.4-18.5, **b8 38.6-38.9 (63.3-63.9%) -> 35.3-35.5 (69.4-69.9%)** (prep kernel
-7.7 -> 4.1-4.3 us, the state kernel 28.8-29.3, the XLA norm 2.1-2.3), b16 70.2 -> 64.7 (75.9%),
-b32 130.8 -> 120.0 (81.8%; XLA's prep 134.7), b128 450.1-454.6 (86.3-87.1%; XLA's prep 471.8):
-the prep kernel now beats XLA's prep at every batch, so `prep_mode` no longer switches to it.
-Staging the outputs through SMEM + TMA instead of the direct stores: b8 35.8 us. One warpgroup per
-(sequence, head) is still the fastest: letting a program loop over `group` consecutive heads (the
-next head's loads issued before this head's math; `kda_decode(prep_group=G)`, an ablation) was
-slower at every size tried (session 9, row layout, the prep kernel alone, us: K3 b8 G = 1 / 2 / 4:
-5.8 / 8.7 / 9.0; b128 G = 8 / 32: 105.0 / 132.9, against G = 1's 74.4; session 18, dense: b8 G = 2
-36.4 us for the op against 35.3-35.6): fewer programs in flight hide less of each one's serial
-load -> math -> store chain.
-After a prep the splits are PREPPED_SPLITS[prep]: 4 after the prep kernel (session 16, K3, us
-for 2 / 4 splits, the whole op: b3 21.3-21.6 / 20.3, b8 40.4-41.4 / 38.9-39.4, b16 72.0-72.2 /
-70.7: the state kernel's 16 KB slabs leave room for more programs per SM; Kimi-Linear's prep-kernel
-batches 9-66 take it unmeasured; session 18, dense prep: b8 36.9 / 35.3-35.5, b32 121.5-122.8 /
-120.0-120.2, b128 453.3-456.7 / 454.1-454.6), 2 after XLA's (b32: 133.8-134.9 / 133.3, a tie). With 1 the
-gated norm would run in the state kernel instead of a separate 2.3 us XLA fusion, but the state
-kernel slowed from 30.7 to 42.8 us at b8 and 107.2 to 140.1 at b32 (session 9). The conv window is not updated in place (its bytes are
-the same either way). Below two pairs per SM the fused kernel stays ("fused"; batch 1: a second
-launch costs more than it saves). Tried and not kept (session 17): the step as one launch of
-four-warpgroup blocks, one per (sequence, head), dividing the prep and the value columns and
-exchanging through SMEM (no repeated prep, no XLA norm): K3 b8 47.1 us against 39.1 (103
-registers x 512 threads: one block per SM), and its GPU outputs were wrong where interpret mode
-passed (the code: commit ec1fb42). Nor 8 value-column splits (session 17, us for 4 / 8 splits: b8 39.2 / 42.7, b16 70.2 /
-82.8, b32 134.0 / 161.0; b3 a tie).
+The small inputs are the per-program cost: the chain of small loads, conv, norms and reductions,
+not the slab's TMA, bounded this kernel while it computed them in the row layout the delta rule
+broadcasts, where each of a thread's 4 channels sits in 4 lanes, so every load and operation was
+issued 4 times (session 17's ncu of the prep kernel below: 854 instructions a warp, LG-throttle
+stalls). Until session 18 the inputs were therefore prepared first from two pairs per SM, by
+`_prep_kernel` or XLA, and `_state_kernel` did only the delta rule. Since session 18 `_head_inputs`
+computes them one channel a thread and the fused kernel wins again (H200, donated state, CUPTI
+sum per call, us; fused 2 splits / prep kernel + state kernel 4 splits): K3 b3 17.0 / 18.1-18.3
+(4 splits fused 16.8-16.9), **b8 34.4 (71.6%) / 35.2-35.5**, b16 63.3 (77.7%) / 64.4-64.8, b32
+119.1 (82.4%) / 120.0-120.2, b128 452.6 (86.7%) / 448.2-454.6; Kimi-Linear b32 44.2 / 45.1. Below
+two pairs per SM 2 splits beat 1: K3 b2 12.8-13.0 / 15.0, Kimi-Linear b5 12.7 / 14.4, b8 15.4 /
+17.1-17.2; K3 b1 (4 splits) 10.8 -> 9.6-9.7 us. Before (the row layout): fused K3 b8 44.8 (2 splits),
+with the prep kernel 38.6-38.9 (63.3-63.9%).
+
+`kda_decode(prep=...)` keeps the two-kernel forms for ablations: "kernel" (`_prep_kernel`, one
+warpgroup per (sequence, head) computing `_head_loads` + `_head_math` one channel a thread and
+storing q, k, v, the exponentiated decay, beta and the window from registers; then 4 splits) and
+"xla" (ops.kda_step_inputs as XLA ops, 5+ launches; then 2 splits). Measured for them (us): the
+prep kernel in the row layout 7.7 at K3 b8, dense 4.0-4.4 (staged through SMEM + TMA 4.4); XLA's
+prep b32 134.7 / b128 471.8 for the op against 120.0 / 448.2-454.6; a prep program looping over
+G heads (`prep_group`) slower at every G tried (session 9, row layout: b8 G = 1 / 2 / 4 5.8 / 8.7
+/ 9.0 us; session 18, dense: b8 G = 2 36.4 us for the op against 35.3-35.6). The conv window is
+not updated in place (its bytes are the same either way). Tried and not kept: one launch of
+four-warpgroup blocks per (sequence, head) dividing the prep and the value columns through SMEM
+(session 17: K3 b8 47.1 us against 39.1, one block per SM, and wrong on the GPU where interpret
+mode passed; commit ec1fb42); 8 value-column splits (session 17, after the prep kernel, us for
+4 / 8: b8 39.2 / 42.7, b16 70.2 / 82.8, b32 134.0 / 161.0).
 """
 
 from __future__ import annotations
@@ -100,9 +84,9 @@ WGMMA = plgpu.Layout.WGMMA
 ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / columns (value)
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
-PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`, `prep_mode`)
-# Splits from two (sequence, head) pairs per SM (`plan`), by where the inputs are prepared: 2 for
-# the fused kernel (session 5) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
+PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`; module doc)
+# Splits from one (sequence, head) pair per SM (`plan`), by where the inputs are prepared: 2 in the
+# fused kernel (session 18) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
 PREPPED_SPLITS = {"fused": 2, "xla": 2, "kernel": 4}
 
 
@@ -113,26 +97,11 @@ def _state_tiling(cols: int):
     return plgpu.TilingTransform((8, row // 4)), plgpu.SwizzleTransform(row)
 
 
-def plan(batch: int, heads: int, sms: int, prep: str | None = None) -> int:
+def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
     """Value-column splits per (sequence, head), as measured best on the H200 (module doc): 4 while
-    the (sequence, head) pairs are fewer than the SMs, 1 below two pairs per SM, else
-    PREPPED_SPLITS of where the inputs are prepared (default `prep_mode`: from two pairs per SM
-    they are prepared first)."""
-    pairs = batch * heads
-    if pairs < sms:
-        return 4
-    if pairs < 2 * sms:
-        return 1
-    return PREPPED_SPLITS[prep or prep_mode(batch, heads, sms)]
-
-
-def prep_mode(batch: int, heads: int, sms: int) -> str:
-    """Where the inputs (ops.kda_step_inputs) are prepared (module doc). Below two (sequence, head)
-    pairs per SM "fused" (inside the one kernel: a second launch costs more than it saves; K3 b1
-    ~11 us fused, ~16 us with XLA's prep). From there by `_prep_kernel` ("kernel") before the
-    delta-rule kernel; "xla" (XLA ops) stays for ablations. Measured (session 18, CUPTI sum, us,
-    xla / kernel): K3 b32 134.7 / 119.6, b128 471.8 / 450.1."""
-    return "fused" if batch * heads < 2 * sms else "kernel"
+    the (sequence, head) pairs are fewer than the SMs, else PREPPED_SPLITS of where the inputs are
+    prepared."""
+    return 4 if batch * heads < sms else PREPPED_SPLITS[prep]
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
@@ -214,15 +183,23 @@ def _head_math(loaded, *, lower_bound: float | None):
     return (q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))), window
 
 
-def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h, *, lower_bound: float | None):
-    """`_head_math` of `_head_loads` (row layout) for sequence b, head h: (q, k, v, decay, beta);
-    the shifted window goes into win_smem [3 (q, k, v channels), K-1, d]."""
-    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, win_smem.shape[-1])
-    inputs, window = _head_math(loaded, lower_bound=lower_bound)
+def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem, b, h, cols, *,
+                 lower_bound: float | None):
+    """`_head_math` of `_head_loads` for sequence b, head h, computed in `_dense`'s layout -> (q, k,
+    decay [d] in the row layout, v[cols] in the column layout, beta), as the delta rule takes them
+    (through vec_smem [4, d] float32); the shifted window goes into win_smem [3 (q, k, v channels),
+    K-1, d]."""
+    d = win_smem.shape[-1]
+    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d, _dense(d))
+    (q, k, v, decay, beta), window = _head_math(loaded, lower_bound=lower_bound)
     for i, rows in enumerate(window):
         for j, row in enumerate(rows):
             win_smem[i, j] = row.astype(win_smem.dtype)
-    return inputs
+    for j, x in enumerate((q, k, decay, v)):
+        vec_smem[j] = x
+    plgpu.commit_smem()
+    q, k, decay = (_vec(vec_smem.at[j], ROW) for j in range(3))
+    return q, k, _vec(vec_smem.at[3, cols], COL), decay, beta
 
 
 def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_heads: int,
@@ -300,17 +277,13 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
-        def scoped(s_smem, o_smem, win_smem, v_smem, bar):
+        def scoped(s_smem, o_smem, win_smem, vec_smem, bar):
             # The state's read is the step's cost: start it before anything else.
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
             # q, k, the decay and beta are per key channel (rows): every split computes them whole.
-            q, k, v, decay, beta = _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, b, h,
-                                                lower_bound=lower_bound)
-            # v goes through SMEM to reach the column layout the update needs (this program's columns).
-            v_smem[...] = v
-            plgpu.commit_smem()
-            v = plgpu.load(v_smem.at[cols], layout=COL)
+            q, k, v, decay, beta = _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem,
+                                                b, h, cols, lower_bound=lower_bound)
             plgpu.barrier_wait(bar)
             heads = pl.ds(h * d, d)
             _delta_rule(s_smem, q, k, v, decay, beta, o_smem, bf16,
@@ -325,7 +298,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
-                      plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((d,), f32), plgpu.Barrier())
+                      plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((4, d), f32), plgpu.Barrier())
 
     # The conv window is not updated in place: the splits of a head all read its taps while each
     # writes a part of the new window.
@@ -368,15 +341,15 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
-               prep: str | None = None, prep_group: int = 1):
+               prep: str = "fused", prep_group: int = 1):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
-    value-column split; prep (one of PREPS; default `prep_mode`) where the conv, norms, decay and
+    value-column split; prep (one of PREPS) where the conv, norms, decay and
     beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
     `_prep_kernel` (prep_group heads per program) and "xla" by XLA ops, both before a kernel
     that does only the delta rule. The overrides are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
-    if prep is not None and prep not in PREPS:
+    if prep not in PREPS:
         raise ValueError(f"kda_decode: prep={prep!r}; choose one of {PREPS}")
     why = unsupported(conv_state, qkv, f, num_heads)
     if why is not None:
@@ -384,7 +357,6 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
             conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
             num_heads=num_heads, lower_bound=lower_bound, eps=eps)
     sms = mgpu.num_sms()
-    prep = prep or prep_mode(qkv.shape[0], num_heads, sms)
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
     splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
