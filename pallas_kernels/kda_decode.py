@@ -142,21 +142,21 @@ def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
 
 
 def _dense(d: int):
-    """The prep kernel's vector layout: a head's d channels spread over the warpgroup's 128 threads,
-    d / 128 each (the row layout holds 4 per thread at d = 128, each in 4 lanes: 4x the loads and
-    arithmetic); d < 128 keeps the row layout."""
+    """The layout the small inputs are computed in: a head's d channels spread over the warpgroup's
+    128 threads, d / 128 each (the row layout holds 4 per thread at d = 128, each in 4 lanes: 4x
+    the loads and arithmetic); d < 128 keeps the row layout."""
     return plgpu.Layout.WG_STRIDED((d,), d // 128) if d % 128 == 0 else ROW
 
 
-def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int, layout=ROW):
+def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
     """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
     GMEM refs conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias -> a pytree for `_head_math`:
     per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
-    all in `layout` (ROW: what the delta rule broadcasts; `_dense`); a_log[h], beta_logit[b, h]
-    scalars. Issued apart from the math so that a program can start the next head's loads before
-    this head's math (`_prep_kernel`)."""
+    all in `_dense`'s layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so
+    that a program can start the next head's loads before this head's math (`_prep_kernel`)."""
     km1, c3 = cs_g.shape[1:]
     p = c3 // 3
+    layout = _dense(d)
 
     def part(i):
         ch = pl.ds(i * p + h * d, d)
@@ -190,7 +190,7 @@ def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem
     (through vec_smem [4, d] float32); the shifted window goes into win_smem [3 (q, k, v channels),
     K-1, d]."""
     d = win_smem.shape[-1]
-    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d, _dense(d))
+    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d)
     (q, k, v, decay, beta), window = _head_math(loaded, lower_bound=lower_bound)
     for i, rows in enumerate(window):
         for j, row in enumerate(rows):
@@ -218,7 +218,7 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
         b, h0 = jax.lax.axis_index("b"), jax.lax.axis_index("h") * group
 
         def loads(i):
-            return _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h0 + i, d, _dense(d))
+            return _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h0 + i, d)
 
         def head(i, loaded):
             # The next head's loads go out before this head's math (the last head's are not used).
