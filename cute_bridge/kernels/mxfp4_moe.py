@@ -30,6 +30,8 @@ measurable (a chain of 64 calls: 106.5 vs 106.4 us). Session 16: with one cp.asy
 stage (its prologue had put both stages' weights in the first) gate_up still ran 381 us at batch
 8 against 344 here, so the paired w1/w3 rows cost it; PDL with gate_up triggering its dependents
 at block start gained ~1.3 us per call (chain of 64), less than that layout loses.
+Session 19, not kept: one-token kernels decoding to e4m3 with fp8 `mma.sync` (docs/cute_bridge.md):
+kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of glue.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
