@@ -24,7 +24,10 @@ cache, 1152 B per token per sequence).
    each computes the full scores. Measured alternative (session 7): one consumer computes the
    scores and hands p and the rescale factors to the other through SMEM (no recomputation; fits
    with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
-   warpgroups. Each block writes o / l rounded to bf16 and the running (max, sum).
+   warpgroups. Session 19: FlashAttention-3's ping-pong (a two-arrival barrier twice per tile,
+   so one consumer's softmax runs while the other's wgmmas hold the tensor cores) - 8-10% slower
+   (ctx 4096 b32: 97.1 vs 89.6 us): not kept. Each block writes o / l rounded to bf16 and the
+   running (max, sum).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
