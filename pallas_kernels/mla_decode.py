@@ -176,20 +176,6 @@ def _absorb(q_nope, q_rope, w_kv_b, hp: int):
     )(q_nope, q_rope, w_kv_b)
 
 
-def _pv(acc, p, v_ref, p_smem):
-    """acc + p @ v_ref by wgmma. Compiled, p [64, T] (registers) is the wgmma's A operand and
-    acc accumulates in place; interpreted (no register A there), p goes through p_smem."""
-    if p_smem is None:
-        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
-    p_smem[...] = p
-    plgpu.commit_smem()
-
-    def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_ref)
-        return acc_ref[...]      # waits for the wgmma: p_smem is free for the next step
-    return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, f32))
-
-
 def _accumulate(acc, operands, interpret: bool):
     """acc + sum of a @ b over the (a, b) SMEM operand pairs, by wgmma (compiled: in place)."""
     def mm(acc_ref):
@@ -202,6 +188,24 @@ def _accumulate(acc, operands, interpret: bool):
         mm(acc_ref)
         return acc_ref[...]
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
+
+
+def _softmax_update(s, m_i, m_new, l_i, acc):
+    """Online softmax (base 2) for scores s [64, T] under the new row maxima m_new (old: m_i) ->
+    (p [64, T], the running sum l rescaled plus p's rows, acc rescaled)."""
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+    return p, l_i * alpha + p.sum(axis=1), acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _pv(acc, p, v_ref, p_smem):
+    """acc + p @ v_ref by wgmma. Compiled, p [64, T] (registers) is the wgmma's A operand and
+    acc accumulates in place; interpreted (no register A there), p goes through p_smem."""
+    if p_smem is None:
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
+    p_smem[...] = p
+    plgpu.commit_smem()
+    return _accumulate(acc, [(p_smem, v_ref)], interpret=True)   # waits: p_smem is free for the next step
 
 
 def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, scores: str = "both"):
@@ -290,10 +294,7 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
                 pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(pos + t * BLOCK_L < valid, s, MASKED)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p, l_i, acc = _softmax_update(s, m_i, m_new, l_i, acc)
                 acc = _pv(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg],
                           None if interpret is None else p_smem.at[wg])
                 plgpu.barrier_arrive(free_bar.at[slot])
@@ -311,7 +312,7 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
 
             def split_step(t, slot, acc, m_i, l_i):
                 """One tile, this consumer scoring its 32 tokens (scores="split")."""
-                xch_smem, pt_smem = exchange[0], p_smem
+                xch_smem = exchange[0]
                 own = pl.ds(pl.multiple_of(wg * HALF_L, HALF_L), HALF_L)
 
                 def qk(s_ref):
@@ -325,16 +326,13 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
                 xch_smem.at[wg][...] = s.max(axis=1)
                 meet()                  # both row maxima written (and the other's last PV done)
                 m_new = jnp.maximum(m_i, jnp.maximum(*both_rows()))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-                pt_smem.at[wg][...] = p.astype(pt_smem.dtype)
+                p, l_i, acc = _softmax_update(s, m_i, m_new, l_i, acc)
+                p_smem.at[wg][...] = p.astype(p_smem.dtype)
                 plgpu.commit_smem()
                 meet()                  # both halves of p written (and both maxima read)
 
                 # The result waits for the wgmmas: p and the tile are free for the next meeting.
-                pv = [(pt_smem.at[h], lat_smem.at[slot, wg, pl.ds(pl.multiple_of(h * HALF_L, HALF_L), HALF_L)])
+                pv = [(p_smem.at[h], lat_smem.at[slot, wg, pl.ds(pl.multiple_of(h * HALF_L, HALF_L), HALF_L)])
                       for h in (wg, 1 - wg)]
                 return _accumulate(acc, pv, interpret is not None), m_new, l_i
 
