@@ -24,13 +24,13 @@ cache, 1152 B per token per sequence).
    each computes the full scores. Measured alternative (session 7): one consumer computes the
    scores and hands p and the rescale factors to the other through SMEM (no recomputation; fits
    with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
-   warpgroups. `scores="split"` (session 19; interpret-mode parity with race detection and the
-   CUDA export pass, not yet run on a GPU): consumer w scores tokens [32 w, 32 w + 32) of each
-   tile only, the two meet twice a tile through a two-arrival barrier (their row maxima, then
-   their halves of p in SMEM) and each runs PV over all 64 tokens for its C half, p read from
-   SMEM: 1.33x the needed MMA work instead of 2.04x, for 226 of the 227 KB of SMEM (64-byte
-   swizzles: a transposed 32-token B operand cannot take 128). Also session 19: FlashAttention-3's
-   ping-pong (a two-arrival barrier twice per tile, so one consumer's softmax runs while the
+   warpgroups. Split scores (sessions 19-20, not kept: commit cbc0902, patch in
+   benchmarks/results/ab/): consumer w scored tokens [32 w, 32 w + 32) of each tile only, the two
+   met twice a tile through a two-arrival barrier (their row maxima, then their halves of p in
+   SMEM) and each ran PV over all 64 tokens for its C half: 1.33x the needed MMA work instead of
+   2.04x, yet 1-5% slower on the H200 (ctx 32768 b8 193.8 vs 188.6 us, attention 176.9 vs 170.0):
+   the MMA work is not what bounds the long contexts, the meetings cost more. Also session 19:
+   FlashAttention-3's ping-pong (a two-arrival barrier twice per tile, so one consumer's softmax runs while the
    other's wgmmas hold the tensor cores) - 8-10% slower (ctx 4096 b32: 97.1 vs 89.6 us): not
    kept. Each block writes o / l rounded to bf16 and the running (max, sum).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
@@ -64,8 +64,6 @@ from pallas_kernels import mgpu, registry
 
 BLOCK_H = 64        # wgmma M: heads per attention block
 BLOCK_L = 64        # tokens per attention pipeline step
-HALF_L = BLOCK_L // 2   # scores="split": tokens a consumer scores per step
-SCORES = "both"     # default of mla_decode(scores=): each consumer scores the whole tile ("split": _attend)
 BLOCK_C = 128       # absorption: latent columns per block
 BLOCK_K = 128       # expansion: latent columns per pipeline step
 ROWS = 64           # absorption: batch rows per block (wgmma M)
@@ -176,20 +174,6 @@ def _absorb(q_nope, q_rope, w_kv_b, hp: int):
     )(q_nope, q_rope, w_kv_b)
 
 
-def _accumulate(acc, operands, interpret: bool):
-    """acc + sum of a @ b over the (a, b) SMEM operand pairs, by wgmma (compiled: in place)."""
-    def mm(acc_ref):
-        for a, b in operands:
-            plgpu.wgmma(acc_ref, a, b)
-    if not interpret:
-        return pl.run_state(mm)(plgpu.ACC.init(acc))
-
-    def scoped(acc_ref):
-        mm(acc_ref)
-        return acc_ref[...]
-    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
-
-
 def _softmax_update(s, m_i, m_new, l_i, acc):
     """Online softmax (base 2) for scores s [64, T] under the new row maxima m_new (old: m_i) ->
     (p [64, T], the running sum l rescaled plus p's rows, acc rescaled)."""
@@ -205,15 +189,17 @@ def _pv(acc, p, v_ref, p_smem):
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
     p_smem[...] = p
     plgpu.commit_smem()
-    return _accumulate(acc, [(p_smem, v_ref)], interpret=True)   # waits: p_smem is free for the next step
+
+    def scoped(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_ref)
+        return acc_ref[...]             # waits: p_smem is free for the next step
+    return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
 
 
-def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, scores: str = "both"):
+def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
     """q_lat [Bq, Hp, C], q_rope [Bq, Hp, R] bf16 (Hp % 64 == 0, Bq >= B) -> o [S, B, Hp, C] bf16
     (per split: sum_t 2^(s_t - m) latent_t / l), m, l [S, B, Hp] float32 (the split's max score,
-    base 2, and sum_t 2^(s_t - m)). scores "both": each consumer scores the whole tile; "split":
-    consumer w scores tokens [32 w, 32 w + 32) of it, and the two exchange their row maxima and
-    probabilities through shared memory (two meetings a tile; `SCORES`)."""
+    base 2, and sum_t 2^(s_t - m))."""
     hp, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
     b, length = latent.shape[:2]
@@ -221,13 +207,10 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
     steps = per // BLOCK_L
     half = c // 2
     interpret = mgpu.interpret_params()
-    split = scores == "split"
-    # "split": its QK's B operand is 32 tokens, transposed, which a 128-byte swizzle (64 values) cannot tile.
-    tf = _tf(HALF_L if split else 64)
+    tf = _tf(64)
 
     def mla_attend(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
-                   ql_smem, qr_smem, lat_smem, kr_smem, ml_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar, done_bar,
-                   *exchange):
+                   ql_smem, qr_smem, lat_smem, kr_smem, ml_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar, done_bar):
         # C halves are separate SMEM arrays (index 0/1 = half): a TMA store needs a contiguous
         # source, and each consumer stages its o half in one.
         si, bi, gi = jax.lax.axis_index("s"), jax.lax.axis_index("b"), jax.lax.axis_index("g")
@@ -280,10 +263,6 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
                 for j in range(2):
                     plgpu.barrier_wait(lat_bar.at[2 * slot + j])
                 plgpu.barrier_wait(kr_bar.at[slot])
-                if split:
-                    acc, m_new, l_i = split_step(t, slot, acc, m_i, l_i)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return acc, m_new, l_i
 
                 def qk(s_ref):
                     for j in range(2):
@@ -300,51 +279,10 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
                 plgpu.barrier_arrive(free_bar.at[slot])
                 return acc, m_new, l_i
 
-            def meet():
-                """scores="split": wait for the other consumer to arrive here too."""
-                plgpu.barrier_arrive(exchange[1])
-                plgpu.barrier_wait(exchange[1])
-
-            def both_rows():
-                """scores="split": the two consumers' row vectors [64] in exchange[0]."""
-                return (plgpu.load(exchange[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1)),
-                        plgpu.load(exchange[0].at[1], layout=plgpu.Layout.WGMMA.reduce(1)))
-
-            def split_step(t, slot, acc, m_i, l_i):
-                """One tile, this consumer scoring its 32 tokens (scores="split")."""
-                xch_smem = exchange[0]
-                own = pl.ds(pl.multiple_of(wg * HALF_L, HALF_L), HALF_L)
-
-                def qk(s_ref):
-                    for j in range(2):
-                        plgpu.wgmma(s_ref, ql_smem.at[j], lat_smem.at[slot, j, own].transpose((1, 0)))
-                    plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot, own].transpose((1, 0)))
-                    return s_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, HALF_L), f32)) * (scale * LOG2E)
-                pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, HALF_L), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(pos + (t * BLOCK_L + wg * HALF_L) < valid, s, MASKED)
-                xch_smem.at[wg][...] = s.max(axis=1)
-                meet()                  # both row maxima written (and the other's last PV done)
-                m_new = jnp.maximum(m_i, jnp.maximum(*both_rows()))
-                p, l_i, acc = _softmax_update(s, m_i, m_new, l_i, acc)
-                p_smem.at[wg][...] = p.astype(p_smem.dtype)
-                plgpu.commit_smem()
-                meet()                  # both halves of p written (and both maxima read)
-
-                # The result waits for the wgmmas: p and the tile are free for the next meeting.
-                pv = [(p_smem.at[h], lat_smem.at[slot, wg, pl.ds(pl.multiple_of(h * HALF_L, HALF_L), HALF_L)])
-                      for h in (wg, 1 - wg)]
-                return _accumulate(acc, pv, interpret is not None), m_new, l_i
-
             init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
                     plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
                     plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
             acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(valid), step, init)
-            if split:                   # each consumer summed its own tokens' p: add the two
-                exchange[0].at[wg][...] = l_i
-                meet()
-                mine, other = both_rows()
-                l_i = mine + other
 
             # Both consumers read every tile to the end: wait for both before staging o in one.
             plgpu.barrier_arrive(done_bar)
@@ -377,19 +315,13 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
             plgpu.SMEM((STAGES, 2, BLOCK_L, half), latent.dtype, transforms=tf),
             plgpu.SMEM((STAGES, BLOCK_L, r), k_rope.dtype, transforms=tf),
             plgpu.SMEM((2, BLOCK_H), f32),
-            # p in SMEM: scores="split", each consumer's half of it, exchanged; "both", staging in
-            # interpret mode only (compiled, p stays in registers).
-            plgpu.SMEM((2, BLOCK_H, HALF_L), latent.dtype, transforms=_tf(HALF_L)) if split else
+            # p in SMEM: staging in interpret mode only (compiled, p stays in registers).
             plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype, transforms=tf),
             plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=2 * STAGES), plgpu.Barrier(num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES), plgpu.Barrier(num_arrivals=2),
-            # scores="split": the row maxima / sums exchanged between the consumers, their meetings.
-            *([plgpu.SMEM((2, BLOCK_H), f32), plgpu.Barrier(num_arrivals=2)] if split else []),
         ],
         grid=(hp // BLOCK_H, b, splits), grid_names=("g", "b", "s"),
         num_threads=3, thread_name="wg",
-        # "split" needs 226 of the 227 KB of shared memory: no reduction scratch (no reduction crosses warps).
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0) if split else None,
         interpret=interpret,
     )(q_lat, q_rope, latent, k_rope, kv_len)
 
@@ -425,12 +357,8 @@ def _combine(o, m, l):
     return (wgt[..., None] * o.astype(f32)).sum(0) / wgt.sum(0)[..., None]
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, scores: str | None = None):
-    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. scores: "both" or
-    "split" (who computes the attention scores; `_attend`), default SCORES."""
-    scores = scores or SCORES
-    if scores not in ("both", "split"):
-        raise ValueError(f"mla_decode: scores={scores!r}, expected 'both' or 'split'")
+def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
+    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype."""
     if not covers(latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
@@ -448,7 +376,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, scores:
         q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
         qr = jnp.pad(q_rope, pad)
     splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms())
-    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits, scores)
+    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
     o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):

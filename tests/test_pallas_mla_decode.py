@@ -3,7 +3,6 @@ interpret mode (race detection, NaN-poisoned memory; the three-warpgroup attenti
 host devices conftest.py sets, see pallas_kernels/mla_decode.py), the absorption / expansion
 kernels alone, CUDA lowering export of the K3 shapes on CPU, and the real kernel on a GPU."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +22,6 @@ K3 = SPEC.sweep("k3")
 @pytest.mark.parametrize("case", [c for c in SMALL if c.name != "b2_h8_c128_l128"], ids=lambda c: c.name)
 def test_mla_decode_matches_reference_interpret(case):
     r = validate.check_case(SPEC, "pallas", mla.mla_decode, case, seed=3, repeats=1)
-    assert r.passed, r
-    assert r.races is not True
-
-
-@pytest.mark.parametrize("case", [c for c in SMALL if c.name.startswith(("b3_", "b1_"))], ids=lambda c: c.name)
-def test_split_scores_match_reference_interpret(case):
-    """scores="split" (each consumer scores half of every tile and they trade maxima and p),
-    including ragged lengths where one consumer's half of a tile is all masked."""
-    r = validate.check_case(SPEC, "pallas", functools.partial(mla.mla_decode, scores="split"), case,
-                            seed=4, repeats=1)
     assert r.passed, r
     assert r.races is not True
 
@@ -59,27 +48,20 @@ def test_plan_divides_the_sequence(batch, length):
     assert (length // mla.BLOCK_L) % s == 0
 
 
-@pytest.mark.parametrize("batch,length,scores", [(1, 32768, "both"), (8, 4096, "both"), (128, 1024, "both"),
-                                                 (8, 4096, "split")])
-def test_mla_decode_cuda_export(batch, length, scores):
+@pytest.mark.parametrize("batch,length", [(1, 32768), (8, 4096), (128, 1024)])
+def test_mla_decode_cuda_export(batch, length):
     """Lowers the real (compiled) kernel for CUDA at K3 shapes on this CPU machine."""
     avals = jax.eval_shape(mla._make(batch, *mla.K3.values(), length), jax.random.key(0))
     with mgpu.compile_for_gpu():
-        exported = jax.export.export(jax.jit(lambda *a: mla.mla_decode(*a, 192 ** -0.5, scores=scores)),
+        exported = jax.export.export(jax.jit(lambda *a: mla.mla_decode(*a, 192 ** -0.5)),
                                      platforms=["cuda"])(*avals)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_unknown_scores_mode_is_named():
-    with pytest.raises(ValueError, match="scores='half'"):
-        mla.mla_decode(*mla._make(1, 8, 32, 64, 128, 32, 64)(jax.random.key(0)), 0.1, scores="half")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("scores", ["both", "split"])
 @pytest.mark.parametrize("case", K3, ids=lambda c: c.name)
-def test_mla_decode_k3_shapes_gpu(case, scores):
-    r = validate.check_case(SPEC, "pallas", functools.partial(mla.mla_decode, scores=scores), case, seed=5)
+def test_mla_decode_k3_shapes_gpu(case):
+    r = validate.check_case(SPEC, "pallas", mla.mla_decode, case, seed=5)
     assert r.passed, r
     assert np.isfinite(r.error)
 
