@@ -31,7 +31,10 @@ stage (its prologue had put both stages' weights in the first) gate_up still ran
 8 against 344 here, so the paired w1/w3 rows cost it; PDL with gate_up triggering its dependents
 at block start gained ~1.3 us per call (chain of 64), less than that layout loses.
 Session 19, not kept: one-token kernels decoding to e4m3 with fp8 `mma.sync` (docs/cute_bridge.md):
-kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of glue.
+kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of glue. Session 20
+(timing only): the same kernels reading codes and scales from a tiled layout ([64-row tile,
+128-column chunk, 64 rows, 64 B / 4 B], contiguous per chunk) ran batch 1 in 88 us (74.3%) and
+batch 8 in 504 us (90%), against 93.5 / 529: DRAM locality; the layout is the next step.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
