@@ -74,14 +74,15 @@ MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or fo
 MOE_WIDE_MULTIPLE = 128         # M and I of the blocks past 16 rows: 64 rows, and whole 4-group scale words
 
 
-def _moe(tokens: int, rows: int) -> tuple[KernelSpec, KernelSpec]:
+def _moe(tokens: int, rows: int, tiles: bool = False) -> tuple[KernelSpec, KernelSpec]:
     """(moe_gate_up_t{tokens}: z [N, M] -> gate, up [S, I] bf16; moe_down_t{tokens}: hid [S, I],
     weights [S] -> part [S, M] float32), both over experts [U] and slots [U, tokens]; `rows` per
     block (names end in _rows{rows} past 16). Past 16 rows the blocks stage each chunk's scale words
     (4 groups) in shared memory, so the input dimension must hold a multiple of 4 groups (128
-    values), and they ask for the largest shared-memory carveout (a fifth block per SM)."""
+    values), and they ask for the largest shared-memory carveout (a fifth block per SM). tiles
+    (64 rows; names end in _tiles): experts stored in k3jax.mxfp4.to_tiles' order."""
     route = (Arg("experts", "int32", ("U",)), Arg("slots", "int32", ("U", tokens)))
-    suffix = "" if rows == 16 else f"_rows{rows}"
+    suffix = ("" if rows == 16 else f"_rows{rows}") + ("_tiles" if tiles else "")
     wide = rows > MOE_BLOCK_ROWS[0]
     words = lambda groups: ((groups, MOE_WIDE_MULTIPLE // 32),) if wide else ()   # noqa: E731 - scale groups per row
     carveout = 100 if wide else None
@@ -107,6 +108,7 @@ KERNELS: tuple[KernelSpec, ...] = (
                outputs=(Arg("out", "float32", ("n",)),)),
     *(_gemv(r, kind) for kind in ("", "split") for r in GEMV_ROWS),
     *(spec for r in MOE_BLOCK_ROWS for t in MOE_TOKENS for spec in _moe(t, r)),
+    *(spec for t in MOE_TOKENS for spec in _moe(t, MOE_BLOCK_ROWS[-1], tiles=True)),
 )
 
 BY_NAME = {k.name: k for k in KERNELS}

@@ -141,11 +141,13 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64,
                 block_rows: int = MOE_ROWS) -> jax.Array:
     """Routed experts (ops.moe_experts contract): z [N, M], ids/weights [N, k] -> [N, M].
-    block_rows: expert rows per block, one of kernel_set.MOE_BLOCK_ROWS."""
+    block_rows: expert rows per block, one of kernel_set.MOE_BLOCK_ROWS (experts in tiles: 64)."""
     m = z.shape[1]
     inter = experts.w1.shape[1]
     if block_rows not in MOE_BLOCK_ROWS:
         raise ValueError(f"block_rows={block_rows}: compiled MoE kernels take {MOE_BLOCK_ROWS}")
+    if experts.tiled and block_rows != MOE_BLOCK_ROWS[-1]:
+        raise ValueError(f"block_rows={block_rows}: experts stored in tiles run {MOE_BLOCK_ROWS[-1]}-row blocks")
     reason = _runnable() or (
         "bf16 experts have no CuTe kernel" if not experts.is_mxfp4 else
         "needs bf16 activations" if z.dtype != jnp.bfloat16 else
@@ -166,7 +168,8 @@ def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_b
     x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
     if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
-    kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}")
+    kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}") + (
+        "_tiles" if experts.tiled else "")      # tiled experts: M and I are multiples of 128 (K3Config)
     gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
                            experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
     hid = ops.glu(gate, up, act, beta, linear_beta)

@@ -1,7 +1,7 @@
 """Benchmarks: per-op kernels and whole-model decode steps, side by side; the report that tabulates them.
 
     python -m k3jax.bench --model --preset k3-h200 [--backends xla,pallas,cute] [--batches 1,8,64]
-                          [--contexts 1024,8192,32768] [--expert-formats mxfp4,bf16] [--mesh ep=2
+                          [--contexts 1024,8192,32768] [--expert-formats mxfp4,bf16,mxfp4-tiles] [--mesh ep=2
                           --ep-variants allgather,ragged] [--out PATH]
     python -m k3jax.bench --ops [NAME ...] [--batches 1,8,32,128] [--backends xla,pallas] [--out PATH]
     python -m k3jax.bench --report benchmarks/results/*.json [--update docs/bench.md]
@@ -46,7 +46,6 @@ import re
 import statistics
 import sys
 import time
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +53,7 @@ import jax.numpy as jnp
 from k3jax import atomic, costs, sharding
 from k3jax.backend import BACKENDS, REFERENCES
 from k3jax.cli import Parser, at_least, check_preset, check_writable, int_list, known, run_cli
-from k3jax.config import ExpertFormat
+from k3jax.config import EXPERT_CHOICES, expert_changes, expert_label
 from k3jax.moe_parallel import VARIANTS
 from k3jax.weights import parse_dtype
 
@@ -440,19 +439,18 @@ def bench_model(preset: str, backends: list[str], granularities: list[str], batc
             continue
         t0 = time.time()
         try:
-            model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
-                                          **({"expert_format": fmt} if fmt else {}))
+            model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh, **expert_changes(fmt))
         except (MemoryError, ValueError) as e:      # too big to hold: skipped; bad input: an error
             skip_format(base, f"model not built: {e}", "skipped" if isinstance(e, MemoryError) else "error")
             continue
         cfg = model.cfg
-        base["expert_format"] = cfg.expert_format
+        label = base["expert_format"] = expert_label(cfg)
         model_mesh = sharding.model_mesh(model)
         n_dev = model_mesh.size if model_mesh is not None else 1
         bw = costs.copy_bandwidth(dev)
         result["meta"].update(copy_bandwidth=bw, n_devices=n_dev, config=cfg.name)
-        result["meta"].setdefault("create_s", {})[cfg.expert_format] = time.time() - t0
-        result["meta"].setdefault("param_bytes", {})[cfg.expert_format] = sum(
+        result["meta"].setdefault("create_s", {})[label] = time.time() - t0
+        result["meta"].setdefault("param_bytes", {})[label] = sum(
             x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
         # Backends, granularities and dispatch variants that cannot run here: one row each, up front.
         points = []
@@ -739,7 +737,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="--model: cached tokens per sequence")
     p.add_argument("--backends", default=None, help="default: --model xla,pallas,cute; --ops xla,pallas")
     p.add_argument("--granularities", default=",".join(GRANULARITIES))
-    p.add_argument("--expert-formats", default=None, help="--model ablation, e.g. mxfp4,bf16 (default: the preset's)")
+    p.add_argument("--expert-formats", default=None,
+                   help="--model ablation, e.g. mxfp4,bf16 or mxfp4,mxfp4-tiles (MXFP4 stored in tiles; default: the preset's)")
     p.add_argument("--mesh", default=None, help="--model: device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variants", default="auto", help="--model with --mesh: expert dispatch variants to compare")
     p.add_argument("--ablate", action="append", default=[], metavar="OP=IMPL[,OP=IMPL]",
@@ -799,7 +798,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         grans = known(a.granularities.split(","), GRANULARITIES, "granularity")
         check_preset(a.preset)
         parse_dtype(a.dtype)
-        formats = (known(a.expert_formats.split(","), typing.get_args(ExpertFormat), "--expert-formats")
+        formats = (known(a.expert_formats.split(","), EXPERT_CHOICES, "--expert-formats")
                    if a.expert_formats else [None])
         if a.mesh:
             sharding.make_mesh(a.mesh)          # a bad spec, or more devices than there are

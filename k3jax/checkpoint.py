@@ -71,7 +71,8 @@ class Slot:
 
     kind: "plain" (same shape), "conv" (HF [P, 1, K]), "row" (HF [1, D]), "a_log" (HF padded
     [128k] for K3, (1, 1, H, 1) for Kimi-Linear), "expert" (one HF tensor per expert, stacked on
-    axis 0 in NNX).
+    axis 0 in NNX). tiles: "codes" / "scales" for MXFP4 expert tensors held in tile order
+    (cfg.expert_layout "tiles"; k3jax.mxfp4.to_tiles): row order on disk, tiled in memory.
     """
     path: tuple
     shape: tuple[int, ...]          # NNX shape
@@ -79,6 +80,14 @@ class Slot:
     hf_shape: tuple[int, ...]       # shape written to disk (per expert for "expert")
     hf_dtype: str                   # dtype written to disk: BF16 / F32 / U8
     kind: str
+    tiles: str | None = None
+
+    def tiled_in_memory(self, arr, *, inverse: bool = False):
+        """arr (this slot's value, or a stack of its experts) from disk order to memory order
+        (inverse: back); the identity unless the slot is held in tiles."""
+        if self.tiles is None:
+            return arr
+        return (mxfp4.from_tiles if inverse else mxfp4.to_tiles)(arr, scales=self.tiles == "scales")
 
 
 def _hf_suffix(path: tuple) -> str:
@@ -101,7 +110,7 @@ def checkpoint_layout(cfg: K3Config, prefix: str) -> list[Slot]:
     for path, var in nnx.to_flat_state(state):
         shape, dtype = tuple(var.get_value().shape), jnp.dtype(var.get_value().dtype)
         hf_dtype = {jnp.dtype(jnp.uint8): "U8", jnp.dtype(jnp.float32): "F32"}.get(dtype, "BF16")
-        last = path[-1]
+        last, tiles = path[-1], None
         if path[0] in ("lm_head",):
             names, hf_shape, kind = (prefix + _hf_suffix(path),), shape, "plain"
         elif "experts" in path and path[-2] == "experts":
@@ -110,6 +119,8 @@ def checkpoint_layout(cfg: K3Config, prefix: str) -> list[Slot]:
             leaf = f"weight_{m.group(2)}" if m.group(2) else "weight"
             names = tuple(f"{prefix}model.{base}.{e}.{m.group(1)}.{leaf}" for e in range(shape[0]))
             hf_shape, kind = shape[1:], "expert"
+            if m.group(2) and cfg.expert_layout == "tiles":
+                tiles = "codes" if m.group(2) == "packed" else "scales"
         else:
             name = prefix + "model." + _hf_suffix(path)
             if last in ("q_conv1d", "k_conv1d", "v_conv1d"):
@@ -122,7 +133,7 @@ def checkpoint_layout(cfg: K3Config, prefix: str) -> list[Slot]:
             else:
                 hf_shape, kind = shape, "plain"
             names = (name,)
-        slots.append(Slot(tuple(path), shape, names, tuple(hf_shape), hf_dtype, kind))
+        slots.append(Slot(tuple(path), shape, names, tuple(hf_shape), hf_dtype, kind, tiles))
     return slots
 
 
@@ -348,7 +359,7 @@ def _load_stacked(slot: Slot, index: TensorIndex, dtype, sharding, bar) -> jax.A
     is_scale, scale_range = slot.path[-1].endswith("_scale"), (255, 0)
     for start in range(0, e, chunk):
         names = slot.names[start:start + chunk]
-        rows = np.stack([np.asarray(_from_hf(slot, n, index.read(n))).astype(dtype) for n in names])
+        rows = slot.tiled_in_memory(np.stack([np.asarray(_from_hf(slot, n, index.read(n))).astype(dtype) for n in names]))
         if is_scale:
             scale_range = (min(scale_range[0], int(rows.min())), max(scale_range[1], int(rows.max())))
         buf = _put_rows_jit(buf, rows, start)
@@ -502,7 +513,7 @@ def model_entries(model, prefix: str) -> list[Entry]:
         dt = DTYPES[slot.hf_dtype] if slot.hf_dtype != "BF16" else np.dtype(value.dtype)
         for i, name in enumerate(slot.names):
             def produce(slot=slot, value=value, i=i, dt=dt):
-                part = value[i] if slot.kind == "expert" else value
+                part = slot.tiled_in_memory(value[i], inverse=True) if slot.kind == "expert" else value
                 return to_hf(slot if slot.kind != "expert" else dataclasses.replace(slot, kind="plain"),
                              np.asarray(jax.device_get(part)).astype(dt))[0]
             entries.append((name, slot.hf_shape, dt, produce))
@@ -512,7 +523,8 @@ def model_entries(model, prefix: str) -> list[Entry]:
 def _check_describes(model, hf_config: dict, out_dir: str, expert_format=None) -> None:
     """CheckpointError listing the fields where `hf_config` (to be saved beside the weights) does
     not describe `model.cfg`: otherwise the next load fails, or builds a different model."""
-    cfg = K3Config.from_hf(hf_config, name=model.cfg.name, expert_format=expert_format)
+    cfg = K3Config.from_hf(hf_config, name=model.cfg.name, expert_format=expert_format).replace(
+        expert_layout=model.cfg.expert_layout)            # in-memory only: config.json has no field for it
     diff = [f"{f.name}: model {getattr(model.cfg, f.name)!r}, hf_config {getattr(cfg, f.name)!r}"
             for f in dataclasses.fields(cfg) if getattr(model.cfg, f.name) != getattr(cfg, f.name)]
     if diff:
@@ -611,7 +623,7 @@ def write_synthetic_checkpoint(out_dir: str, preset: str = "k3-tiny", seed: int 
 # -------------------------------------------------------------------------------- orbax
 def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False) -> str:
     """Saves the model state with orbax plus its config.json (which must describe `model.cfg`, the
-    expert format aside: k3jax.json records it); atomic (temporary dir + rename)."""
+    expert format and layout aside: k3jax.json records them); atomic (temporary dir + rename)."""
     import orbax.checkpoint as ocp
     _check_describes(model, hf_config, out_dir, model.cfg.expert_format)
     out_dir = os.path.abspath(out_dir)
@@ -625,7 +637,7 @@ def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False)
             ckptr.save(os.path.join(tmp, "state"), nnx.state(model))
             ckptr.wait_until_finished()
         meta = {"hf_config": hf_config, "dtype": jnp.dtype(model.dtype).name,
-                "expert_format": model.cfg.expert_format}
+                "expert_format": model.cfg.expert_format, "expert_layout": model.cfg.expert_layout}
         write_text(os.path.join(tmp, "k3jax.json"), json.dumps(meta, indent=2))
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -657,6 +669,8 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
         raise CheckpointError(f"{meta_path}: dtype {meta['dtype']!r} is not a dtype") from None
     cfg = K3Config.from_hf(meta["hf_config"], name=os.path.basename(os.path.normpath(path)),
                            expert_format=meta["expert_format"])
+    # The arrays in state/ are stored as they were in memory: rows (older checkpoints) or tiles.
+    cfg = cfg.replace(expert_layout=meta.get("expert_layout", "rows"))
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     for p, var in flat:

@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 LayerKind = Literal["kda", "mla"]
 ExpertFormat = Literal["bf16", "mxfp4"]
+ExpertLayout = Literal["rows", "tiles"]      # MXFP4 experts' byte order (k3jax.mxfp4.to_tiles)
+# The CLIs' expert choice (--experts / --expert-format(s)): a format, or MXFP4 stored in tiles.
+EXPERT_CHOICES = ("bf16", "mxfp4", "mxfp4-tiles")
 
 # Fields a Hugging Face config carries that do not change the text decoder's math.
 _HF_BOILERPLATE = frozenset({
@@ -89,6 +92,9 @@ class K3Config:
     pad_token_id: int | None = None
     max_position_embeddings: int = 1 << 20
     name: str = "custom"
+    # Not in config.json: how MXFP4 experts are stored in memory ("tiles": mxfp4.to_tiles' order,
+    # what the CuTe / Pallas expert kernels stream best; checkpoints keep row order on disk).
+    expert_layout: ExpertLayout = "rows"
 
     # ----------------------------------------------------------------- derived
     @property
@@ -268,9 +274,16 @@ class K3Config:
                 need(self.num_experts_per_token <= self.topk_group * group, "num_experts_per_token",
                      f"{self.num_experts_per_token} exceeds the {self.topk_group * group} experts of the "
                      f"topk_group={self.topk_group} groups a token may use")
+        need(self.expert_layout in ("rows", "tiles"), "expert_layout", f"unknown {self.expert_layout!r} (rows or tiles)")
         if self.expert_format == "mxfp4":
             for f in ("moe_hidden_size", "moe_intermediate_size"):
                 need(getattr(self, f) % 32 == 0, f, f"must be a multiple of 32 for MXFP4 experts, got {getattr(self, f)}")
+        if self.expert_layout == "tiles":
+            need(self.expert_format == "mxfp4", "expert_layout", "'tiles' is a layout of MXFP4 experts; these are "
+                 f"{self.expert_format}")
+            for f in ("moe_hidden_size", "moe_intermediate_size"):
+                need(getattr(self, f) % 128 == 0, f, f"must be a multiple of 128 for expert_layout='tiles', "
+                     f"got {getattr(self, f)}")
         if self.kda_gate_lower_bound is not None:
             need(self.kda_gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", "must be negative")
         if self.attn_res_block_size is not None:
@@ -388,3 +401,17 @@ def expected_unique_experts(cfg: K3Config, tokens: int) -> float:
         return 0.0
     e, k = cfg.num_experts, cfg.num_experts_per_token
     return e * (1.0 - math.pow(1.0 - k / e, tokens))
+
+
+def expert_changes(choice: str | None) -> dict[str, str]:
+    """The K3Config changes one of EXPERT_CHOICES asks for (None: the preset's own experts)."""
+    if choice is None:
+        return {}
+    if choice not in EXPERT_CHOICES:
+        raise ConfigError(f"unknown expert choice {choice!r}; one of {', '.join(EXPERT_CHOICES)}")
+    return {"expert_format": "mxfp4", "expert_layout": "tiles"} if choice == "mxfp4-tiles" else {"expert_format": choice}
+
+
+def expert_label(cfg: K3Config) -> str:
+    """A config's experts as one of EXPERT_CHOICES."""
+    return "mxfp4-tiles" if cfg.expert_layout == "tiles" else cfg.expert_format

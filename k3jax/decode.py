@@ -15,6 +15,7 @@ import sys
 from k3jax import atomic, launch
 from k3jax.backend import BACKENDS
 from k3jax.cli import Parser, at_least, check_ep_variant, check_writable, int_list, run_cli
+from k3jax.config import EXPERT_CHOICES, expert_changes, expert_label
 from k3jax.moe_parallel import VARIANTS
 
 DEFAULT_PROMPT = "The Kimi K3 decoder"
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"model preset with random weights (default k3-tiny); one of: {', '.join(sorted(PRESETS))}")
     src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (overrides --preset)")
     src.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/weight dtype")
-    src.add_argument("--experts", choices=["mxfp4", "bf16"], help="routed-expert storage (default: the preset's)")
+    src.add_argument("--experts", choices=EXPERT_CHOICES,
+                     help="routed-expert storage; mxfp4-tiles: MXFP4 in kernel tile order (default: the preset's)")
     src.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling (default 0)")
     src.add_argument("--mesh", metavar="SPEC",
                      help="device mesh, e.g. ep=8 or ep=2,tp=2 or dp=2,ep=4 (dp/ep/tp = data/expert/tensor "
@@ -102,7 +104,7 @@ def prepare(args: argparse.Namespace) -> Request:
     check_ep_variant(args.ep_variant, args.mesh)
     if args.output:
         check_writable(args.output, "--output")
-    changes = {"expert_format": args.experts} if args.experts else {}
+    changes = expert_changes(args.experts)
     cfg = config_of(args.checkpoint or args.preset, **changes)
     tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
     if args.prompt_ids:
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace, request: Request) -> dict:
         "fallbacks": _fallbacks(args.backend),
         "mesh": args.mesh or "single",
         "model": {"name": cfg.name, "params": cfg.param_count(), "active_params": cfg.active_param_count(),
-                  "expert_format": cfg.expert_format},
+                  "expert_format": expert_label(cfg)},
         "device": {"platform": device.platform, "kind": device.device_kind, "copy_bandwidth_Bps": bandwidth},
         "prompts": prompts,
         "tokenizer": tokenizer.name,

@@ -212,7 +212,8 @@ class RoutedExperts(nnx.Module):
     """All routed experts stacked: w1/w3 [E, I, M] (gate/up), w2 [E, M, I] (down).
 
     bf16: `w1`, `w2`, `w3`. MXFP4: `w*_packed` uint8 [E, out, in/2] and `w*_scale` uint8
-    [E, out, in/32] in the checkpoint's packed layout (see k3jax.mxfp4).
+    [E, out, in/32] in the checkpoint's packed layout (see k3jax.mxfp4), in row order or, with
+    cfg.expert_layout "tiles", in mxfp4.to_tiles' order (the same weights for the same seed).
     """
 
     def __init__(self, cfg: K3Config, *, dtype, rngs: nnx.Rngs):
@@ -222,6 +223,8 @@ class RoutedExperts(nnx.Module):
         for name, shape in shapes.items():
             if cfg.expert_format == "mxfp4":
                 packed, scale = mxfp4.random_packed(rngs.params(), shape)
+                if cfg.expert_layout == "tiles":
+                    packed, scale = mxfp4.to_tiles(packed), mxfp4.to_tiles(scale, scales=True)
                 setattr(self, f"{name}_packed", nnx.Param(packed))
                 setattr(self, f"{name}_scale", nnx.Param(scale))
             else:
@@ -231,7 +234,8 @@ class RoutedExperts(nnx.Module):
         """The expert tensors as ops.ExpertWeights (the packed and scale arrays for MXFP4)."""
         if self.cfg.expert_format == "mxfp4":
             return ops.ExpertWeights(self.w1_packed[...], self.w3_packed[...], self.w2_packed[...],
-                                     self.w1_scale[...], self.w3_scale[...], self.w2_scale[...])
+                                     self.w1_scale[...], self.w3_scale[...], self.w2_scale[...],
+                                     tiled=self.cfg.expert_layout == "tiles")
         return ops.ExpertWeights(self.w1[...], self.w3[...], self.w2[...])
 
 

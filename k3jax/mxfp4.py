@@ -6,6 +6,14 @@ A weight W [out, in] is stored as
   * `weight_scale`  uint8 [out, in/32]: one UE8M0 power-of-two scale per 32 consecutive inputs,
     value 2^(scale - 127).
 4.25 bits per weight. Leading axes (e.g. experts [E, out, in/2]) are carried through.
+
+Tiled storage (`to_tiles` / `from_tiles`; the routed experts' `expert_layout = "tiles"`): the same
+two arrays, same shapes, with their bytes in tile order - per block of TILE_ROWS = 64 output rows,
+per TILE_COLS = 128 inputs, the 64 rows' 64 code bytes and their 4 scale bytes contiguous
+([out/64, in/128, 64, 64] and [out/64, in/128, 64, 4] read as [out, in/2] and [out, in/32]). A
+decode kernel then streams 4 KB of codes (and 256 B of scales) per chunk in memory order instead
+of 64-byte pieces of 64 rows a row apart: DRAM locality, +6% for the CuTe kernels (H200, session
+20, BENCHMARKS.md). Needs out % 64 == 0 and in % 128 == 0.
 """
 
 from __future__ import annotations
@@ -90,6 +98,35 @@ def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.A
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> W [..., out, in] in dtype:
     `dequantize_halves` interleaved back into column order."""
     return _interleave(*dequantize_halves(packed, scale, dtype))
+
+
+TILE_ROWS = 64       # output rows per tile
+TILE_COLS = 128      # inputs per tile: 64 code bytes and 4 scale bytes per row
+
+
+def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
+    """a [..., out, c] with per_tile_row entries of each row per tile -> the same shape with its
+    entries in tile order (inverse: back to row order)."""
+    *lead, out, c = a.shape
+    if out % TILE_ROWS or c % per_tile_row:
+        raise ValueError(f"tiled MXFP4 needs {TILE_ROWS} | out and {TILE_COLS} | in, got a [{out}, {c}] "
+                         f"array with {per_tile_row} entries per row and tile")
+    n = len(lead)
+    rows_first = (*lead, out // TILE_ROWS, TILE_ROWS, c // per_tile_row, per_tile_row)   # [.., T, r, C, b]
+    tiles_first = (*lead, out // TILE_ROWS, c // per_tile_row, TILE_ROWS, per_tile_row)  # [.., T, C, r, b]
+    perm = (*range(n), n, n + 2, n + 1, n + 3)
+    return (a.reshape(tiles_first if inverse else rows_first).transpose(perm)).reshape(a.shape)
+
+
+def to_tiles(a, *, scales: bool = False):
+    """weight_packed [..., out, in/2] (scales: weight_scale [..., out, in/32]) in row order -> the
+    same array in tile order (module doc). numpy or jax arrays; ValueError unless the shape tiles."""
+    return _tile_order(a, TILE_COLS // (GROUP if scales else 2), inverse=False)
+
+
+def from_tiles(a, *, scales: bool = False):
+    """The inverse of `to_tiles`: a tile-ordered weight_packed (scales: weight_scale) -> row order."""
+    return _tile_order(a, TILE_COLS // (GROUP if scales else 2), inverse=True)
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -317,7 +317,8 @@ class ExpertWeights:
     """Stacked routed-expert weights: w1/w3 [E, I, M] (gate/up), w2 [E, M, I] (down).
 
     bf16 format: `w1`, `w3`, `w2` hold the matrices. MXFP4 format: they hold the packed codes
-    (uint8 [E, out, in/2]) and `s1`, `s3`, `s2` the UE8M0 scales (uint8 [E, out, in/32]).
+    (uint8 [E, out, in/2]) and `s1`, `s3`, `s2` the UE8M0 scales (uint8 [E, out, in/32]), in row
+    order or, `tiled` (static), each expert's bytes in mxfp4.to_tiles' tile order.
     """
 
     w1: jax.Array
@@ -326,6 +327,7 @@ class ExpertWeights:
     s1: jax.Array | None = None
     s3: jax.Array | None = None
     s2: jax.Array | None = None
+    tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -335,19 +337,31 @@ class ExpertWeights:
     def is_mxfp4(self) -> bool:
         return self.s1 is not None
 
+    def in_tiles(self) -> ExpertWeights:
+        """These MXFP4 experts, stored in tiles (mxfp4.to_tiles; needs out % 64 and in % 128 == 0)."""
+        if not self.is_mxfp4 or self.tiled:
+            raise ValueError("in_tiles: needs MXFP4 experts in row order")
+        return ExpertWeights(*(mxfp4.to_tiles(w) for w in (self.w1, self.w3, self.w2)),
+                             *(mxfp4.to_tiles(s, scales=True) for s in (self.s1, self.s3, self.s2)), tiled=True)
+
+    def packed(self, ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """MXFP4 only: the experts `ids` [U] as (codes, scales) per matrix (w1, w3, w2), in row order."""
+        pairs = tuple((w[ids], s[ids]) for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+        if not self.tiled:
+            return pairs
+        return tuple((mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs)
+
     def gather(self, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Only the experts `ids` [U], dequantised to `dtype`: (w1, w3, w2)."""
         if self.is_mxfp4:
-            return tuple(mxfp4.dequantize(w[ids], s[ids], dtype)
-                         for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+            return tuple(mxfp4.dequantize(w, s, dtype) for w, s in self.packed(ids))
         return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
 
     def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as its even and
         odd input columns ((w1_even, w1_odd), (w3_even, w3_odd), (w2_even, w2_odd)), each
         [U, out, in/2]: the low / high nibbles of the packed bytes, so nothing interleaves."""
-        return tuple(mxfp4.dequantize_halves(w[ids], s[ids], dtype)
-                     for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+        return tuple(mxfp4.dequantize_halves(w, s, dtype) for w, s in self.packed(ids))
 
 
 DENSE_DISPATCH_MAX_TOKENS = 64  # tokens per moe_experts chunk: each distinct expert runs on all of them

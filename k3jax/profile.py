@@ -60,6 +60,7 @@ import jax
 from k3jax import atomic, bench
 from k3jax.backend import BACKENDS
 from k3jax.cli import Parser, at_least, check_ep_variant, check_preset, check_writable, known, run_cli
+from k3jax.config import EXPERT_CHOICES, expert_changes, expert_label
 from k3jax.moe_parallel import VARIANTS
 
 # ------------------------------------------------------------------ HLO text -> instruction records
@@ -325,8 +326,7 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
     plan = bench.granularity_plan(backend, granularity)
     if isinstance(plan, str):
         raise ValueError(f"{backend} / {granularity}: {plan}")
-    model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh,
-                                  **({"expert_format": expert_format} if expert_format else {}))
+    model = k3jax.from_pretrained(preset, dtype=dtype, seed=seed, mesh=mesh, **expert_changes(expert_format))
     model.plan = plan
     model_mesh = sharding.model_mesh(model)
     if model_mesh is not None:
@@ -364,7 +364,7 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
             "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, "backend": backend,
             "granularity": granularity, "batch": batch, "context": context, "steps": steps, "warmup": warmup,
-            "dtype": dtype, "expert_format": cfg.expert_format, "mesh": mesh,
+            "dtype": dtype, "expert_format": expert_label(cfg), "mesh": mesh,
             "ep_variant": ep_variant if model_mesh is not None else None, "devices": devices,
             "kernels": {op: impl for op, impl in plan.describe().items() if impl != "xla"},
             "fallbacks": registry.fallbacks(), "timer": "cupti" if records else "wall"}
@@ -519,7 +519,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="steps timed (and, on a GPU, profiled)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--expert-format", default=None, help="e.g. mxfp4 or bf16 (default: the preset's)")
+    p.add_argument("--expert-format", default=None, choices=EXPERT_CHOICES,
+                   help="mxfp4, bf16 or mxfp4-tiles (MXFP4 in kernel tile order; default: the preset's)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variant", default="auto", help="with --mesh: expert dispatch variant")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile-...json)")

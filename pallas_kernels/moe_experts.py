@@ -57,6 +57,11 @@ first elementwise decode through SMEM 836 us. Time follows the instruction count
 21 -> 17: -7%, then -9%): the decode is issue-bound at three programs per SM (136 registers; one
 program per SM is 25% slower, deeper pipelines gain nothing).
 
+MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; session 20, not yet
+run on a GPU) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
+(`_operands`): a step's TMA brings 4 whole chunks (16 KB contiguous, against 64 rows of 256 B
+1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad.
+
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
 weights (the expert picked by its id, as above: no gather copy, which is most of the XLA
@@ -149,10 +154,16 @@ def _step(mxfp4: bool) -> int:
 
 
 def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
-    """Per matrix (w1, w3, w2), the arrays its pipeline steps read: (packed, scales) or (bf16,)."""
-    if experts.is_mxfp4:
-        return (experts.w1, experts.s1), (experts.w3, experts.s3), (experts.w2, experts.s2)
-    return (experts.w1,), (experts.w3,), (experts.w2,)
+    """Per matrix (w1, w3, w2), the arrays its pipeline steps read: (packed, scales) or (bf16,).
+    Experts in tiles are viewed as codes [E, out/64, in/128, 64, 64] and scales [E, out/64,
+    in/128, 256] (a reshape: mxfp4.to_tiles' order), so a step's weights are whole chunks."""
+    if not experts.is_mxfp4:
+        return (experts.w1,), (experts.w3,), (experts.w2,)
+    pairs = (experts.w1, experts.s1), (experts.w3, experts.s3), (experts.w2, experts.s2)
+    if not experts.tiled:
+        return pairs
+    tiles = lambda a, row: a.reshape(a.shape[0], a.shape[1] // BLOCK, -1, *row)      # noqa: E731
+    return tuple((tiles(w, (BLOCK, 64)), tiles(sc, (BLOCK * 4,))) for w, sc in pairs)
 
 
 def permute_k(x: jax.Array) -> jax.Array:
@@ -216,7 +227,8 @@ def decode_word_ptx() -> str:
 
 def _decode_quad(w_s, s_s, quad: int):
     """Compiled decode of K-tiles 2*quad and 2*quad+1 of a step: two bf16 [64, 64] arrays in the
-    WGMMA register layout (A operands). w_s [64, 256] uint8 and s_s [64, 16] uint8 in SMEM.
+    WGMMA register layout (A operands). w_s [64, 256] uint8 and s_s [64, 16] uint8 in SMEM, or for
+    experts in tiles w_s [4, 64, 64] and s_s [4, 256] (chunk, then row: `_operands`).
 
     Thread (warp w, lane l) holds rows 16w + l//4 (+8) and, per K-tile, column pairs 8j + 2q
     (q = l % 4, j = 0..7); it reads the 16-byte group 4*quad + q of its rows (4 words, 32 codes,
@@ -228,11 +240,14 @@ def _decode_quad(w_s, s_s, quad: int):
     def decode(_, w_ref, s_ref):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         c = lambda v: mgpu_utils.c(v, i32)
-        (w_stride, _), _ = ir.MemRefType(w_ref.type).get_strides_and_offset()
-        (s_stride, _), _ = ir.MemRefType(s_ref.type).get_strides_and_offset()
+        w_strides, _ = ir.MemRefType(w_ref.type).get_strides_and_offset()
+        tiled = len(w_strides) == 3
+        # Tiles: this step's chunk `quad` at quad x 4096 (codes) / quad x 256 (scales), rows 64 / 4 apart.
+        w_stride, w_base = (w_strides[1], quad * w_strides[0]) if tiled else (w_strides[0], 0)
+        s_stride, s_base = (4, quad * 256) if tiled else (ir.MemRefType(s_ref.type).get_strides_and_offset()[0][0], 0)
         tid = mgpu_utils.thread_idx()
         lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
-        group = arith.addi(arith.remui(lane, c(4)), c(4 * quad))
+        group = arith.addi(arith.remui(lane, c(4)), c(0 if tiled else 4 * quad))   # the 16-byte group in the row
         row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
         w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
         words_ty = ir.VectorType.get((4,), i32)
@@ -241,9 +256,9 @@ def _decode_quad(w_s, s_s, quad: int):
         ptx = decode_word_ptx()
         for r in range(2):
             row = arith.addi(row0, c(8 * r))
-            w_off = arith.addi(arith.muli(row, c(w_stride)), arith.muli(group, c(16)))
+            w_off = arith.addi(arith.muli(row, c(w_stride)), arith.addi(arith.muli(group, c(16)), c(w_base)))
             words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
-            s_off = arith.addi(arith.muli(row, c(s_stride)), group)
+            s_off = arith.addi(arith.muli(row, c(s_stride)), arith.addi(group, c(s_base)))
             code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
             # bf16 bits of 2^(code - 1 - X_EXP) in both halves (DECODE_PROGRAM's factor)
             scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
@@ -265,7 +280,9 @@ def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
     x_s [KTILES, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
     else an SMEM [64, 64] bf16 tile (interpret mode: mxfp4.dequantize, permuted, staged)."""
     groups = MX_STEP // 32
-    s_s = s_s.at[:, pl.ds(jax.lax.rem(k, SCALE_STEPS) * groups, groups)]
+    tiled = len(w_s.shape) == 3
+    if not tiled:
+        s_s = s_s.at[:, pl.ds(jax.lax.rem(k, SCALE_STEPS) * groups, groups)]
     if stage_s is None:
         # A quad's wgmma overlaps the next quad's decode while the accumulators are small; from 32
         # tokens the registers that overlap holds cost occupancy (H200, session 5: gate/up at batch
@@ -276,7 +293,11 @@ def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
                 plgpu.wgmma(acc, tile, x_s.at[2 * quad + h].T)
             plgpu.wgmma_wait(pending)    # (2: the previous quad's registers are free again)
         return
-    w = permute_k(mxfp4.dequantize(w_s[...], s_s[...]) * 2.0 ** -X_EXP).astype(jnp.bfloat16)
+    codes, scales = w_s[...], s_s[...]
+    if tiled:               # back to rows: [64, 256] codes and [64, 16] scales
+        codes = codes.transpose(1, 0, 2).reshape(BLOCK, -1)
+        scales = scales.reshape(QUADS, BLOCK, 4).transpose(1, 0, 2).reshape(BLOCK, -1)
+    w = permute_k(mxfp4.dequantize(codes, scales) * 2.0 ** -X_EXP).astype(jnp.bfloat16)
     for t in range(KTILES):
         stage_s[...] = w[:, t * BLOCK:(t + 1) * BLOCK]
         plgpu.commit_smem()
@@ -309,7 +330,10 @@ def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 
 
-def _weight_specs(mxfp4: bool):
+def _weight_specs(mxfp4: bool, tiled: bool = False):
+    if tiled:               # whole chunks of the expert's row tile (`_operands`)
+        return [plgpu.BlockSpec((QUADS, BLOCK, 64), lambda k: (k, 0, 0)),
+                plgpu.BlockSpec((QUADS, BLOCK * 4), lambda k: (k, 0))]
     if mxfp4:
         return [plgpu.BlockSpec((BLOCK, MX_STEP // 2), lambda k: (0, k)),
                 plgpu.BlockSpec((BLOCK, SCALE_COLS // 32), lambda k: (0, k // SCALE_STEPS))]
@@ -340,7 +364,8 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
     """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
     zt: z [Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
     u_n, n_pad = coef.shape
-    n_exp, inter = gate[0].shape[:2]
+    tiled = gate[0].ndim == 5
+    n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
     mx = len(gate) == 2
     stages = _stages(n_pad, 2, mx)
     staged = mx and mgpu.interpret_params() is not None
@@ -362,8 +387,8 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
                         plgpu.wgmma_wait(0)      # the step's slots are refilled after it
                     plgpu.emit_pipeline(
                         step, grid=(steps,),
-                        in_specs=_weight_specs(mx) * 2 + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
-                    )(*(w.at[eid, rows] for w in w_g), zt_g)
+                        in_specs=_weight_specs(mx, tiled) * 2 + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
+                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), zt_g)
                     return acc_g[...], acc_u[...]
                 g, u = pl.run_scoped(
                     lambda a, b: _staging(functools.partial(accumulate, a, b), staged),
@@ -411,7 +436,8 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
     """float32 partials [S, M, Np] of sum_u w2_u @ h_u over each split's expert slots.
     ht: h [U, Np, I] in `_x_layout` (per slot); down: `_operands` of w2; steps: I / step columns."""
     u_n = uniq.shape[0]
-    n_exp, m = down[0].shape[:2]
+    tiled = down[0].ndim == 5
+    n_exp, m = down[0].shape[0], down[0].shape[1] * (BLOCK if tiled else 1)
     per = u_n // splits
     mx = len(down) == 2
     stages = _stages(n_pad, 1, mx)
@@ -435,8 +461,8 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
                         plgpu.wgmma_wait(0)
                     plgpu.emit_pipeline(
                         step, grid=(steps,),
-                        in_specs=_weight_specs(mx) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
-                    )(*(w.at[eid, rows] for w in w_g), ht_g.at[u])
+                        in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
+                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])
             return acc[...]
 
         acc = pl.run_scoped(lambda a: _staging(functools.partial(accumulate, a), staged),
@@ -505,11 +531,13 @@ def _make(n: int, m: int, inter: int, n_exp: int, k: int, fmt: str = "mxfp4"):
         w = jax.random.uniform(kw, (n, k), jnp.float32, 0.1, 1.0)
         w = w / w.sum(-1, keepdims=True)
         # Scales ~ 1/sqrt(fan-in): hidden and output activations of order one.
-        if fmt == "mxfp4":
+        if fmt in ("mxfp4", "mxfp4-tiles"):
             (p1, q1), (p3, q3), (p2, q2) = (
                 mxfp4.random_packed(kk, shape, scale_exp=round(-0.5 * math.log2(shape[-1])) - 1)
                 for kk, shape in ((k1, (n_exp, inter, m)), (k2, (n_exp, inter, m)), (k3, (n_exp, m, inter))))
             experts = ops.ExpertWeights(p1, p3, p2, q1, q3, q2)
+            if fmt == "mxfp4-tiles":
+                experts = experts.in_tiles()
         else:
             experts = ops.ExpertWeights(*(
                 (jax.random.normal(kk, shape, jnp.float32) * shape[-1] ** -0.5).astype(jnp.bfloat16)
@@ -529,12 +557,15 @@ def cases() -> list[registry.Case]:
     small += [registry.Case(f"bf16_n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k, "bf16"), ACT, batch=n)
               for n, m, i, e, k in ((1, 256, 128, 4, 1), (2, 128, 256, 8, 2), (3, 384, 128, 6, 2),
                                     (9, 256, 256, 16, 4))]
+    small.append(registry.Case("tiles_n2_m512_i1024_e8_k2", _make(2, 512, 1024, 8, 2, "mxfp4-tiles"), ACT, batch=2))
     small.append(registry.Case("bf16_silu_n2", _make(2, 128, 128, 4, 2, "bf16"), KL_ACT, batch=2))
     # Outside the kernel's coverage: must still match (the reference runs).
     small.append(registry.Case("fallback_bf16_m192", _make(2, 192, 64, 4, 2, "bf16"), ACT, batch=2))
     small.append(registry.Case("fallback_m96", _make(2, 96, 64, 4, 2), ACT, batch=2))
     k3 = [registry.Case(f"k3_e{e}_b{b}", _make(b, K3_M, K3_I, e, K3_K), ACT, batch=b, sizes=frozenset({"k3"}))
           for e in (448, 896) for b in BENCH_BATCHES]
+    k3 += [registry.Case(f"k3_e448_tiles_b{b}", _make(b, K3_M, K3_I, 448, K3_K, "mxfp4-tiles"), ACT, batch=b,
+                         sizes=frozenset({"k3"})) for b in (1, 8)]       # experts stored in tiles (mxfp4.to_tiles)
     m, i, e, k = KL_SHAPE
     k3 += [registry.Case(f"kimi_linear_bf16_e{e}_b{b}", _make(b, m, i, e, k, "bf16"), KL_ACT, batch=b,
                          sizes=frozenset({"k3"})) for b in (1, 8, 32)]

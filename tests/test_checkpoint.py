@@ -384,3 +384,26 @@ def test_decode_cli_with_checkpoint_and_tiktoken(tmp_path, capsys):
     report = json.load(open(tmp_path / "r.json"))
     assert report["tokenizer"] == "tiktoken (Kimi)" and report["prompts"][0][0] == 257
     assert main(["--checkpoint", str(tmp_path / "nope")]) == 2
+
+
+def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
+    """expert_layout="tiles": the checkpoint keeps row order on disk, memory holds mxfp4.to_tiles'
+    order, and the model computes the same logits; HF save and orbax save/restore round-trip."""
+    from k3jax import mxfp4
+    hf = ckpt.synthetic_hf_config("k3-tiny")
+    hf["text_config"].update(moe_intermediate_size=128, routed_expert_hidden_size=128)
+    src = ckpt.write_hf_checkpoint(str(tmp_path / "src"), hf, ckpt.synthetic_entries(hf, 5))
+    rows, tiles = load(src, dtype="float32"), load(src, dtype="float32", expert_layout="tiles")
+    a, b = rows.layers[1].block_sparse_moe.experts, tiles.layers[1].block_sparse_moe.experts
+    np.testing.assert_array_equal(np.asarray(b.w2_packed[...]), np.asarray(mxfp4.to_tiles(a.w2_packed[...])))
+    np.testing.assert_array_equal(np.asarray(b.w1_scale[...]), np.asarray(mxfp4.to_tiles(a.w1_scale[...], scales=True)))
+    ids = np.arange(1, 7)[None]
+    np.testing.assert_array_equal(np.asarray(tiles(ids)), np.asarray(rows(ids)))
+    out = ckpt.save_hf_checkpoint(tiles, str(tmp_path / "out"), hf)
+    x, y = ckpt.TensorIndex(src), ckpt.TensorIndex(out)
+    for n in y.where:
+        np.testing.assert_array_equal(x.read(n), y.read(n), err_msg=n)
+    orb = ckpt.save_orbax(tiles, str(tmp_path / "orb"), hf)
+    restored, _ = ckpt.restore_orbax(orb)
+    assert restored.cfg.expert_layout == "tiles"
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(rows(ids)))

@@ -55,6 +55,7 @@ def test_unknown_preset(capsys):
     (["--checkpoint", "/nonexistent/dir"], "does not exist"),
     (["--processes", "2"], "--processes needs --mesh"),
     (["--processes", "0", "--mesh", "ep=2"], "--processes must be >= 1"),
+    (["--experts", "mxfp4-tiles"], "moe_hidden_size: must be a multiple of 128 for expert_layout='tiles'"),
 ])
 def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     assert decode.main(argv) == 2

@@ -133,6 +133,29 @@ def test_mxfp4_needs_widths_multiple_of_32():
     assert get_preset("k3-tiny", expert_format="bf16", routed_expert_hidden_size=40).moe_hidden_size == 40
 
 
+def test_expert_layout_tiles_needs_mxfp4_and_128_multiples():
+    assert get_preset("k3-tiny").expert_layout == "rows"
+    cfg = get_preset("k3-tiny", expert_layout="tiles", moe_intermediate_size=128, routed_expert_hidden_size=256)
+    assert cfg.expert_layout == "tiles"
+    with pytest.raises(ConfigError, match="moe_hidden_size.*multiple of 128 for expert_layout='tiles'"):
+        get_preset("k3-tiny", expert_layout="tiles")
+    with pytest.raises(ConfigError, match="expert_layout.*MXFP4 experts; these are bf16"):
+        get_preset("k3-tiny", expert_layout="tiles", expert_format="bf16")
+    with pytest.raises(ConfigError, match="expert_layout.*unknown 'columns'"):
+        get_preset("k3-tiny", expert_layout="columns")
+
+
+def test_expert_choices_map_to_config_changes():
+    from k3jax.config import expert_changes, expert_label
+    assert expert_changes(None) == {} and expert_changes("bf16") == {"expert_format": "bf16"}
+    changes = expert_changes("mxfp4-tiles")
+    assert changes == {"expert_format": "mxfp4", "expert_layout": "tiles"}
+    cfg = get_preset("k3-tiny", moe_intermediate_size=128, routed_expert_hidden_size=128, **changes)
+    assert expert_label(cfg) == "mxfp4-tiles" and expert_label(get_preset("k3-tiny")) == "mxfp4"
+    with pytest.raises(ConfigError, match="unknown expert choice 'fp8'"):
+        expert_changes("fp8")
+
+
 def test_other_validation_errors():
     with pytest.raises(ConfigError, match="gate_lower_bound"):
         get_preset("k3-tiny", kda_gate_lower_bound=1.0)

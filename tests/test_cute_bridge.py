@@ -40,7 +40,7 @@ def test_generated_glue_sets_each_specs_carveout(library):
     64-row MoE kernels ask for the largest (a fifth block per SM), the others keep the default."""
     source = (library.parent / kernel_set_hash() / "k3cute_ffi.cc").read_text()
     wide = {s.name for s in KERNELS if s.smem_carveout is not None}
-    assert wide == {f"moe_{op}_t{t}_rows64" for op in ("gate_up", "down") for t in (1, 8)}
+    assert wide == {f"moe_{op}_t{t}_rows64{tiles}" for op in ("gate_up", "down") for t in (1, 8) for tiles in ("", "_tiles")}
     for spec in KERNELS:
         call = f"k3cute_carveout({spec.name}_module.module, "
         assert (call in source) == (spec.name in wide), spec.name
@@ -88,10 +88,10 @@ def _packed_experts(e: int, m: int, inter: int) -> tuple:
             S((e, m, inter // 2), jnp.uint8), S((e, m, inter // 32), jnp.uint8))
 
 
-def _experts(z, ids, w, p13, q13, p2, q2, block_rows=64):
+def _experts(z, ids, w, p13, q13, p2, q2, block_rows=64, tiled=False):
     """cute_bridge.ops.moe_experts with w1 = w3 (their codes play no part in which kernel runs)."""
     from cute_bridge import ops as cute_ops
-    ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2)
+    ew = ops.ExpertWeights(p13, p13, p2, q13, q13, q2, tiled=tiled)
     return cute_ops.moe_experts(z, ids, w, ew, act="situ", beta=4.0, linear_beta=25.0, block_rows=block_rows)
 
 
@@ -114,6 +114,12 @@ def test_registered_ops_export_at_k3_decode_shapes():
         one_tile = functools.partial(_experts, block_rows=16)    # one MMA row tile per block
         text = _export(one_tile, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
         assert _calls(text, *rows16) and not any(_calls(text, name) for name in rows64)
+        in_tiles = functools.partial(_experts, tiled=True)      # experts stored in tiles: the _tiles kernels
+        text = _export(in_tiles, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
+        assert _calls(text, *(f"{name}_tiles" for name in rows64)) and not any(_calls(text, n) for n in rows64)
+    with pytest.raises(ValueError, match="block_rows=16: experts stored in tiles run 64-row blocks"):
+        _export(functools.partial(_experts, block_rows=16, tiled=True), S((1, m), jnp.bfloat16),
+                S((1, k), jnp.int32), S((1, k), jnp.float32), *packed)
     # One row runs the SIMT kernel down to 1024 outputs; narrower matrices and more rows run the
     # MMA kernels, splitting K (float32 partials summed by XLA) when the row tiles cannot fill the GPU.
     assert _calls(_export(one_row, S((1, d), jnp.bfloat16), S((576, d), jnp.bfloat16)), "gemv_split_r1")
@@ -233,8 +239,10 @@ def _emulated_moe_kernel(name, *args, dims=None):
     from k3jax import mxfp4
     x, experts, slots, *rest = args
     weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
-    mats = [permute_x(mxfp4.dequantize(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s,
-                                       jnp.float32)) for w, s in zip(rest[::2], rest[1::2])]
+    pairs = [(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s) for w, s in zip(rest[::2], rest[1::2])]
+    if name.endswith("_tiles"):
+        pairs = [(mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
+    mats = [permute_x(mxfp4.dequantize(w, s, jnp.float32)) for w, s in pairs]
     s_n = dims["S"] if dims else x.shape[0]
     per_token = s_n // x.shape[0]                              # gate_up: x rows are tokens; down: slots
     named = (slots >= 0) & (experts[:, None] < mats[0].shape[0])                         # [U, T]
@@ -258,7 +266,8 @@ def _emulated_moe_kernel(name, *args, dims=None):
     [[4, 4, 4, 4]] * 3,                               # every token and slot on one expert
     [[(3 * n + j) % 8 for j in range(4)] for n in range(11)],   # 11 tokens: chunks of <= 8
 ])
-def test_moe_grouping_matches_the_reference(monkeypatch, ids):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_moe_grouping_matches_the_reference(monkeypatch, ids, tiled):
     """expert_slots + the kernels' contract (emulated) + the XLA combine give ops.moe_experts,
     including repeated ids (combined once with their summed weight) and more than 8 tokens."""
     from cute_bridge import ops as cute_ops
@@ -266,7 +275,7 @@ def test_moe_grouping_matches_the_reference(monkeypatch, ids):
     monkeypatch.setattr(cute_ops, "_runnable", lambda: None)
     monkeypatch.setattr(loader, "call", _emulated_moe_kernel)
     ids = jnp.asarray(ids, jnp.int32)
-    n, e, m, inter = ids.shape[0], 8, 64, 32
+    n, e, m, inter = (ids.shape[0], 8, 128, 128) if tiled else (ids.shape[0], 8, 64, 32)
     ks = jax.random.split(jax.random.key(n), 6)
     (p1, s1), (p3, s3) = (mxfp4.random_packed(kk, (e, inter, m)) for kk in ks[:2])
     p2, s2 = mxfp4.random_packed(ks[2], (e, m, inter))
@@ -274,7 +283,7 @@ def test_moe_grouping_matches_the_reference(monkeypatch, ids):
     w = jax.nn.softmax(jax.random.normal(ks[3], ids.shape), -1)
     z = jax.random.normal(ks[4], (n, m), jnp.bfloat16)
     kw = dict(act="situ", beta=4.0, linear_beta=25.0)
-    out = np.asarray(cute_ops.moe_experts(z, ids, w, experts, **kw), np.float32)
+    out = np.asarray(cute_ops.moe_experts(z, ids, w, experts.in_tiles() if tiled else experts, **kw), np.float32)
     ref = np.asarray(ops.moe_experts(z, ids, w, experts, **kw), np.float32)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())

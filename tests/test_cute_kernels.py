@@ -78,6 +78,19 @@ def test_moe_experts(n, top_k, e, m, inter, scale_exp, act, block_rows):
     assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
 
 
+@gpu
+@pytest.mark.parametrize("n,top_k,e,m,inter", [(1, 16, 448, 3584, 3072), (8, 16, 448, 3584, 3072),
+                                               (13, 4, 16, 256, 128), (3, 8, 32, 256, 128)])
+def test_moe_experts_tiled(n, top_k, e, m, inter):
+    """Experts stored in tiles (mxfp4.to_tiles: the `_tiles` kernels) against the reference."""
+    from cute_bridge import ops as cute_ops
+    z, ids, w, experts = _random_moe(n * 5 + e, n, top_k, e, m, inter, -7)
+    kw = dict(act="situ", beta=4.0, linear_beta=25.0)
+    _poison_moe(n, top_k, m, inter)
+    out = jax.jit(lambda *a: cute_ops.moe_experts(*a, **kw))(z, ids, w, experts.in_tiles())
+    assert _rel(out, ops.moe_experts(z, ids, w, experts, **kw)) < TOL["moe_experts"]
+
+
 def _random_moe(seed, n, top_k, e, m, inter, scale_exp):
     """z [n, m] bf16, distinct ids [n, top_k] of e experts, softmax weights, MXFP4 experts."""
     ks = jax.random.split(jax.random.key(seed), 6)

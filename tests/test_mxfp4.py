@@ -97,3 +97,40 @@ def test_expert_weights_gather_dequantises():
     ew = ops.ExpertWeights(packed, packed, packed, scale, scale, scale)
     w1, _, _ = ew.gather(jnp.array([3, 0]), jnp.float32)
     np.testing.assert_array_equal(np.asarray(w1, np.float64), ref.mxfp4_dequantize(packed, scale)[[3, 0]])
+
+
+def test_tile_order_layout_and_round_trip():
+    """to_tiles puts each 64-row x 128-input tile's 64 code bytes (4 scale bytes) per row together,
+    chunk after chunk; from_tiles undoes it; numpy and jax arrays alike."""
+    packed, scale = mxfp4.random_packed(jax.random.key(3), (2, 128, 256))       # [E, out, in/2], [E, out, in/32]
+    tp, ts = mxfp4.to_tiles(packed), mxfp4.to_tiles(scale, scales=True)
+    assert tp.shape == packed.shape and ts.shape == scale.shape
+    flat_p, flat_s = np.asarray(tp).reshape(2, -1), np.asarray(ts).reshape(2, -1)
+    for e, t, c, r in ((0, 0, 0, 0), (1, 1, 1, 63), (1, 0, 1, 5)):          # expert, row tile, chunk, row
+        start = ((t * 2 + c) * 64 + r) * 64
+        np.testing.assert_array_equal(flat_p[e, start:start + 64], np.asarray(packed)[e, 64 * t + r, 64 * c:64 * c + 64])
+        start = ((t * 2 + c) * 64 + r) * 4
+        np.testing.assert_array_equal(flat_s[e, start:start + 4], np.asarray(scale)[e, 64 * t + r, 4 * c:4 * c + 4])
+    np.testing.assert_array_equal(mxfp4.from_tiles(tp), packed)
+    np.testing.assert_array_equal(mxfp4.from_tiles(np.asarray(ts), scales=True), np.asarray(scale))
+
+
+def test_tiles_need_64_rows_and_128_inputs():
+    packed, _ = mxfp4.random_packed(jax.random.key(0), (96, 256))
+    with pytest.raises(ValueError, match="64 | out and 128 | in"):
+        mxfp4.to_tiles(packed)
+
+
+def test_tiled_expert_weights_gather_the_same_weights():
+    packed, scale = mxfp4.random_packed(jax.random.key(4), (3, 64, 384))
+    rows = ops.ExpertWeights(packed, packed, packed, scale, scale, scale)
+    tiled = rows.in_tiles()
+    assert tiled.tiled and tiled.w2.shape == packed.shape
+    with pytest.raises(ValueError, match="row order"):
+        tiled.in_tiles()
+    ids = jnp.array([2, 0])
+    for a, b in zip(rows.gather(ids, jnp.float32), tiled.gather(ids, jnp.float32)):
+        np.testing.assert_array_equal(a, b)
+    for (a0, a1), (b0, b1) in zip(rows.gather_halves(ids, jnp.float32), tiled.gather_halves(ids, jnp.float32)):
+        np.testing.assert_array_equal(a0, b0)
+        np.testing.assert_array_equal(a1, b1)

@@ -18,7 +18,7 @@ SPEC = registry.spec("moe_experts")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
 CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "n69_", "fallback", "bf16_n1_", "bf16_n3_",
-                                                    "bf16_silu"))]
+                                                    "bf16_silu", "tiles_"))]
 
 
 def _fma_bf16x2(x, s):
@@ -165,13 +165,15 @@ def _export_has_kernels(experts, n, m, k, act) -> bool:
     return "moe_gate_up_mosaic_gpu" in module and "moe_down_mosaic_gpu" in module
 
 
-@pytest.mark.parametrize("n,e", [(1, 448), (8, 896), (64, 448)])
-def test_moe_experts_cuda_export(n, e):
-    """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine."""
+@pytest.mark.parametrize("n,e,tiled", [(1, 448, False), (8, 896, False), (64, 448, False), (1, 448, True), (8, 448, True)])
+def test_moe_experts_cuda_export(n, e, tiled):
+    """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine (experts in
+    row order or in tiles)."""
     m, i, k = me.K3_M, me.K3_I, me.K3_K
     s = jax.ShapeDtypeStruct
     experts = ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
-                                s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8))
+                                s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
+                                tiled=tiled)
     assert _export_has_kernels(experts, n, m, k, me.ACT)
 
 

@@ -170,3 +170,17 @@ def test_checkpoint_streams_onto_mesh():
     assert len(experts.sharding.device_set) == 8
     ids = np.arange(1, 9)[None]
     np.testing.assert_allclose(np.asarray(sharded(ids)), np.asarray(single(ids)), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_in_tiles_shard_over_the_expert_axis():
+    """expert_layout="tiles" on an ep=2 mesh: the tiled arrays shard on the expert axis and the
+    model decodes the same tokens as the unsharded row-order model (the same weights)."""
+    kw = dict(dtype="float32", seed=0, moe_intermediate_size=128, routed_expert_hidden_size=128)
+    rows = k3jax.from_pretrained("k3-tiny", **kw)
+    tiles = k3jax.from_pretrained("k3-tiny", expert_layout="tiles", mesh="ep=2", **kw)
+    w = tiles.layers[1].block_sparse_moe.experts.w1_packed[...]
+    assert w.sharding.spec[0] == "expert"
+    ids = jnp.array([[1, 2, 3, 4]])
+    np.testing.assert_allclose(np.asarray(tiles(ids)), np.asarray(rows(ids)), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k3jax.generate(tiles, [[1, 2, 3]], 6)),
+                                  np.asarray(k3jax.generate(rows, [[1, 2, 3]], 6)))

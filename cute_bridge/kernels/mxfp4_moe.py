@@ -34,7 +34,10 @@ Session 19, not kept: one-token kernels decoding to e4m3 with fp8 `mma.sync` (do
 kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of glue. Session 20
 (timing only): the same kernels reading codes and scales from a tiled layout ([64-row tile,
 128-column chunk, 64 rows, 64 B / 4 B], contiguous per chunk) ran batch 1 in 88 us (74.3%) and
-batch 8 in 504 us (90%), against 93.5 / 529: DRAM locality; the layout is the next step.
+batch 8 in 504 us (90%), against 93.5 / 529: DRAM locality. The `_tiles` entries read experts
+stored that way (k3jax.mxfp4.to_tiles, K3Config.expert_layout "tiles"; not yet run on a GPU):
+only the two global addresses differ (`_issue`, `_expert_tile`), the shared-memory images are
+the same.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
@@ -137,7 +140,7 @@ def _decode_word(word, factor, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows, scale_off=None):
+def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale_rows, scale_off=None, tiled=False):
     """Chunk c's codes (rows g + 8 i at addresses code_rows[i]) and activations (this lane's
     share; xsrc is its token row's address; T = 8: read only if `named`, else zeros are stored: an
     unnamed column is never stored, and skipping its row keeps the activation traffic to the named
@@ -145,10 +148,13 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
     with scale_off (8 code rows), copies the chunk's scale words into the slot instead: this lane
     the 4 bytes (groups 4c .. 4c + 3, one per lane q) of rows g + 8 i, i = 2q, 2q + 1, at
     scale_rows[0], scale_rows[1] (returns []). Groups past the end are clamped (their factor is
-    zeroed by the caller)."""
+    zeroed by the caller). tiled (8 code rows, k3jax.mxfp4.to_tiles' order): code_rows[i] and
+    scale_rows[0] are this lane's bytes of the block's first chunk, and chunk c lies c x 4 KB
+    (c x 256 B of scales, 8 a lane) further: the slot's image is the same."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
+    step = c * (len(code_rows) * CODE_ROW) if tiled else grp * 16
     for i, row in enumerate(code_rows):
-        _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(grp * 16), 16)
+        _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(step), 16)
     x_off = len(code_rows) * CODE_ROW
     if cutlass.const_expr(tokens == 1):
         x_dst = x_off + (lane // 8) * 80 + (lane % 8) * 8
@@ -161,6 +167,9 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
                       cache="ca", src_bytes=read)
     if scale_off is None:
         return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
+    if tiled:
+        _cp_async(slot + scale_off + lane * 8, scale_rows[0] + cutlass.Int64(c * SCALE_STAGE), 8, cache="ca")
+        return []
     g = lane // 4
     for m, row in enumerate(scale_rows):
         _cp_async(slot + scale_off + ((2 * q + m) * 8 + g) * 4, row + cutlass.Int64(c * CHUNK_GROUPS), 4, cache="ca")
@@ -225,13 +234,15 @@ def _ldg_u8(addr, *, loc=None, ip=None):
 
 @cute.jit
 def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc: cute.Tensor,
-                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr):
+                 accs: cutlass.Constexpr, tokens: cutlass.Constexpr, row_tiles: cutlass.Constexpr,
+                 tiled: cutlass.Constexpr):
     """acc (per row tile t, accs C fragments; summed into the tile's first at the end) += this
     warp's chunks of dequant(w[e, row0:row0 + 16 row_tiles]) @ x[rows of the token columns].T for
     int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb ([E,
     rows, groups]); x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane
     stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`). The row
-    tiles share each chunk's activations: one staging and one shared-memory read per chunk."""
+    tiles share each chunk's activations: one staging and one shared-memory read per chunk.
+    tiled (row_tiles = 4): codes and scales in k3jax.mxfp4.to_tiles' order, each chunk contiguous."""
     tidx, _, _ = cute.arch.thread_idx()
     lane = tidx % LANES
     warp = tidx // LANES
@@ -252,15 +263,21 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
     top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
     s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
-    w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
-    s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
-              else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
+    if cutlass.const_expr(tiled):     # chunk 0 of the block's tile: row g + 8 i's 64 bytes at (g + 8 i) x 64
+        tile = cutlass.Int64(e * rows + row0)
+        w_rows = [wb + tile * cutlass.Int64(groups * 16) + cutlass.Int64(i * CODE_ROW + lane * 16)
+                  for i in range(code_rows)]
+        s_rows = [sb + tile * cutlass.Int64(groups) + cutlass.Int64(lane * 8)]
+    else:
+        w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
+        s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
+                  else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
     xsrc = x.iterator.toint() + cutlass.Int64(xrow) * cutlass.Int64(cols * 2)
     x_read = x_off + q * 80 + ((lane // 4) * X_ROW if tokens > 1 else 0)      # column g's activations
     if cutlass.const_expr(not smem_scales):
         raw = cute.make_rmem_tensor((code_rows * STAGES,), cutlass.Int32)   # scale bytes per row and slot
 
-    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows, scale_off if smem_scales else None)
+    src = (lane, q, groups, cols, w_rows, xsrc, named, tokens, s_rows, scale_off if smem_scales else None, tiled)
     for u in cutlass.range_constexpr(STAGES):
         if u < count:
             scales = _issue(ring + u * stage_bytes, warp + u * WARPS, *src)
@@ -346,7 +363,7 @@ def _token_row(slots: cute.Tensor, u, tokens: cutlass.Constexpr, div):
 @cute.kernel
 def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
                     w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor,
-                    row_tiles: cutlass.Constexpr):
+                    row_tiles: cutlass.Constexpr, tiled: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
     e = experts[u]
     if e < w1.shape[0]:
@@ -362,7 +379,7 @@ def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1
         wb = w1.iterator.toint() + up_i * (w3.iterator.toint() - w1.iterator.toint())
         sb = s1.iterator.toint() + up_i * (s3.iterator.toint() - s1.iterator.toint())
         xrow, named = _token_row(slots, u, tokens, gate.shape[0] // z.shape[0])   # slot // k = token
-        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles)
+        _expert_tile(wb, sb, w1.shape[1], s1.shape[2], z, e, row0, xrow, named, acc, accs, tokens, row_tiles, tiled)
         total = _column_sums(acc, tokens, row_tiles, accs)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
@@ -379,7 +396,8 @@ def _gate_up_kernel(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1
 
 @cute.kernel
 def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
-                 w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, row_tiles: cutlass.Constexpr):
+                 w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, row_tiles: cutlass.Constexpr,
+                 tiled: cutlass.Constexpr):
     bidx, u, _ = cute.arch.block_idx()
     e = experts[u]
     if e < w2.shape[0]:
@@ -389,7 +407,7 @@ def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, wei
         acc.fill(0.0)
         xrow, named = _token_row(slots, u, tokens, 1)
         _expert_tile(w2.iterator.toint(), s2.iterator.toint(), w2.shape[1], s2.shape[2], hid, e, row0, xrow, named,
-                     acc, DOWN_ACCS, tokens, row_tiles)
+                     acc, DOWN_ACCS, tokens, row_tiles, tiled)
         total = _column_sums(acc, tokens, row_tiles, DOWN_ACCS)
         row = row0 + (cute.arch.thread_idx()[0] % LANES) // 4
         for j in cutlass.range_constexpr(2 if tokens > 1 else 1):
@@ -402,15 +420,15 @@ def _down_kernel(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, wei
                         part[slot, row + 16 * t + 8 * h] = weights[slot] * v
 
 
-def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, rows: int):
+def _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, rows: int, tiled: bool = False):
     grid = (2 * (w1.shape[1] // rows), experts.shape[0], 1)
-    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up, rows // TILE).launch(
+    _gate_up_kernel(z, experts, slots, w1, s1, w3, s3, gate, up, rows // TILE, tiled).launch(
         grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
-def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int):
+def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int, tiled: bool = False):
     grid = (w2.shape[1] // rows, experts.shape[0], 1)
-    _down_kernel(hid, experts, slots, weights, w2, s2, part, rows // TILE).launch(
+    _down_kernel(hid, experts, slots, weights, w2, s2, part, rows // TILE, tiled).launch(
         grid=grid, block=(WARPS * LANES, 1, 1), stream=stream)
 
 
@@ -444,3 +462,17 @@ def down_rows64(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weig
                 s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
     """`down` with 64 rows per block (M % 64 == 0)."""
     _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE)
+
+
+@cute.jit
+def gate_up_rows64_tiles(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
+                         w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
+    """`gate_up_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; M % 128 == 0)."""
+    _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, 4 * TILE, True)
+
+
+@cute.jit
+def down_rows64_tiles(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
+                      w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
+    """`down_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; I % 128 == 0)."""
+    _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE, True)
