@@ -225,6 +225,17 @@ def decode_word_ptx() -> str:
     return "\n\t".join(lines + ["}"])
 
 
+def quad_addressing(w_strides: tuple[int, ...], s_strides: tuple[int, ...], quad: int) -> dict[str, int]:
+    """Where `_decode_quad` finds quad `quad` of a step in SMEM, from the strides (elements) of the
+    codes and scales buffers: row r's group q (q < 4) of codes starts at byte
+    code_base + r * code_row + (group0 + q) * 16, its scale byte at scale_base + r * scale_row + group0 + q.
+    Row order: w [64, 256], s [64, 16]; tiles: w [4, 64, 64], s [4, 256] (one chunk per quad)."""
+    if len(w_strides) == 3:
+        return dict(code_row=w_strides[1], code_base=quad * w_strides[0], scale_row=mxfp4.TILE_COLS // mxfp4.GROUP,
+                    scale_base=quad * s_strides[0], group0=0)
+    return dict(code_row=w_strides[0], code_base=0, scale_row=s_strides[0], scale_base=0, group0=4 * quad)
+
+
 def _decode_quad(w_s, s_s, quad: int):
     """Compiled decode of K-tiles 2*quad and 2*quad+1 of a step: two bf16 [64, 64] arrays in the
     WGMMA register layout (A operands). w_s [64, 256] uint8 and s_s [64, 16] uint8 in SMEM, or for
@@ -240,14 +251,10 @@ def _decode_quad(w_s, s_s, quad: int):
     def decode(_, w_ref, s_ref):
         i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
         c = lambda v: mgpu_utils.c(v, i32)
-        w_strides, _ = ir.MemRefType(w_ref.type).get_strides_and_offset()
-        tiled = len(w_strides) == 3
-        # Tiles: this step's chunk `quad` at quad x 4096 (codes) / quad x 256 (scales), rows 64 / 4 apart.
-        w_stride, w_base = (w_strides[1], quad * w_strides[0]) if tiled else (w_strides[0], 0)
-        s_stride, s_base = (4, quad * 256) if tiled else (ir.MemRefType(s_ref.type).get_strides_and_offset()[0][0], 0)
+        at = quad_addressing(*(tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref)), quad)
         tid = mgpu_utils.thread_idx()
         lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
-        group = arith.addi(arith.remui(lane, c(4)), c(0 if tiled else 4 * quad))   # the 16-byte group in the row
+        group = arith.addi(arith.remui(lane, c(4)), c(at["group0"]))   # the 16-byte group in the row
         row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
         w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
         words_ty = ir.VectorType.get((4,), i32)
@@ -256,9 +263,9 @@ def _decode_quad(w_s, s_s, quad: int):
         ptx = decode_word_ptx()
         for r in range(2):
             row = arith.addi(row0, c(8 * r))
-            w_off = arith.addi(arith.muli(row, c(w_stride)), arith.addi(arith.muli(group, c(16)), c(w_base)))
+            w_off = arith.addi(arith.muli(row, c(at["code_row"])), arith.addi(arith.muli(group, c(16)), c(at["code_base"])))
             words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
-            s_off = arith.addi(arith.muli(row, c(s_stride)), arith.addi(group, c(s_base)))
+            s_off = arith.addi(arith.muli(row, c(at["scale_row"])), arith.addi(group, c(at["scale_base"])))
             code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
             # bf16 bits of 2^(code - 1 - X_EXP) in both halves (DECODE_PROGRAM's factor)
             scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))

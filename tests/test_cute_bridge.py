@@ -331,3 +331,27 @@ def test_kernels_keep_their_occupancy(library):
         assert res == recorded[spec.name] and res["frame_bytes"] == 0, (spec.name, res)
         if spec.smem_carveout is not None:
             assert res["registers"] <= 96, (spec.name, res)
+
+
+def test_tiled_experts_are_read_into_the_row_order_slot_image():
+    """The `_tiles` kernels' addressing (tile_code_offset / tile_scale_offset, what the kernels
+    emit) reads from a 64-row tile in mxfp4.to_tiles' order exactly the bytes the row-order kernels
+    stage in a ring slot: lane (g, q)'s 16 code bytes of row g + 8 i in chunk c, and the chunk's
+    scale image (row r's four groups at 4 r .. 4 r + 3)."""
+    from cute_bridge.kernels import mxfp4_moe as k
+    from k3jax import mxfp4
+    rng = np.random.default_rng(1)
+    chunks = 3
+    codes = rng.integers(0, 256, (64, chunks * 64), np.uint8)       # one 64-row tile, 3 chunks of 128 inputs
+    scales = rng.integers(0, 256, (64, chunks * 4), np.uint8)
+    tiled_codes = np.asarray(mxfp4.to_tiles(codes)).reshape(-1)
+    tiled_scales = np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1)
+    for c in range(chunks):
+        for lane in range(32):
+            g, q = divmod(lane, 4)
+            for i in range(8):
+                at = k.tile_code_offset(lane, i, c)
+                np.testing.assert_array_equal(tiled_codes[at:at + 16], codes[g + 8 * i, (4 * c + q) * 16:][:16])
+            at = k.tile_scale_offset(lane, c)
+            image = [scales[p // 4, 4 * c + p % 4] for p in range(lane * 8, lane * 8 + 8)]
+            np.testing.assert_array_equal(tiled_scales[at:at + 8], image)

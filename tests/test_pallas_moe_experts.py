@@ -91,6 +91,27 @@ def test_compiled_decode_model_is_exact():
         assert _decode_mismatches(code) == 0, code
 
 
+def test_tiled_step_is_decoded_from_the_same_bytes():
+    """The compiled decode's SMEM addressing (me.quad_addressing, the offsets _decode_quad emits)
+    reads, from a step's image in tile order ([4 chunks, 64 rows, 64 B], scales [4, 256]), the
+    bytes it reads from the row-order image ([64, 256], [64, 16]) for every row, quad and group."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (64, me.MX_STEP // 2), np.uint8)
+    scales = rng.integers(0, 256, (64, me.MX_STEP // 32), np.uint8)
+    images = {"rows": (codes.reshape(-1), scales.reshape(-1), (256, 1), (16, 1)),
+              "tiles": (np.asarray(mxfp4.to_tiles(codes)).reshape(-1),
+                        np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1), (4096, 64, 1), (256, 1))}
+    for quad in range(me.QUADS):
+        read = {}
+        for name, (c, sc, w_strides, s_strides) in images.items():
+            at = me.quad_addressing(w_strides, s_strides, quad)
+            read[name] = [(c[at["code_base"] + r * at["code_row"] + (at["group0"] + q) * 16:][:16].tobytes(),
+                           sc[at["scale_base"] + r * at["scale_row"] + at["group0"] + q])
+                          for r in range(64) for q in range(4)]
+        assert read["rows"] == read["tiles"]
+        assert read["rows"][5 * 4 + 2] == (codes[5, (4 * quad + 2) * 16:][:16].tobytes(), scales[5, 4 * quad + 2])
+
+
 def test_exact_scale_range_is_tight():
     """Just outside EXACT_SCALES the decode is not exact (the range the docs state is the real one)."""
     lo, hi = me.EXACT_SCALES

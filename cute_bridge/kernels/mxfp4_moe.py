@@ -112,6 +112,22 @@ STAGES = 2              # chunks per warp in flight ahead of the decode
 CODE_ROW = 512          # per warp and stage: codes of rows g + 8 i (512 B each), then the activations:
 X_ROW = 4 * 80          # per token column, 4 x groups of 64 B, 80 apart
 SCALE_STAGE = 8 * 8 * 4  # then (eight code rows) the scale words: rows g + 8 i, 4 groups each
+TILE_CHUNK = 8 * CODE_ROW  # experts in tiles: a 64-row block's chunk of codes, 4 KB (its scales: SCALE_STAGE)
+
+
+def tile_code_offset(lane, i, c=0):
+    """Experts in tiles (k3jax.mxfp4.to_tiles): the byte offset, from its 64-row tile, of this
+    lane's 16 code bytes of row g + 8 i (g = lane // 4, group q = lane % 4) in chunk c - also where
+    the rows path puts them in the ring slot (c = 0): the slot holds the chunk's tile image."""
+    return c * TILE_CHUNK + i * CODE_ROW + lane * 16
+
+
+def tile_scale_offset(lane, c=0):
+    """Experts in tiles: the offset, from the tile's scales, of the 8 scale bytes this lane copies
+    for chunk c (rows 2 lane, 2 lane + 1, four groups each: the slot's scale image)."""
+    return c * SCALE_STAGE + lane * 8
+
+
 # Independent MMA accumulator chains per warp and row tile (session 7, H200, 16-row blocks: two
 # made gate_up 2.6% faster and down 9% slower at batch 1, 2.6% / 7% at batch 8). A 32-row block's
 # two row tiles are two chains already.
@@ -149,10 +165,10 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
     the 4 bytes (groups 4c .. 4c + 3, one per lane q) of rows g + 8 i, i = 2q, 2q + 1, at
     scale_rows[0], scale_rows[1] (returns []). Groups past the end are clamped (their factor is
     zeroed by the caller). tiled (8 code rows, k3jax.mxfp4.to_tiles' order): code_rows[i] and
-    scale_rows[0] are this lane's bytes of the block's first chunk, and chunk c lies c x 4 KB
-    (c x 256 B of scales, 8 a lane) further: the slot's image is the same."""
+    scale_rows[0] are this lane's bytes of the block's first chunk, chunk c lies c x 4 KB (c x
+    256 B of scales, 8 a lane) further (`tile_code_offset`, `tile_scale_offset`): the slot's image is the same."""
     grp = cutlass.min(c * CHUNK_GROUPS + q, groups - 1)
-    step = c * (len(code_rows) * CODE_ROW) if tiled else grp * 16
+    step = tile_code_offset(0, 0, c) if tiled else grp * 16
     for i, row in enumerate(code_rows):
         _cp_async(slot + i * CODE_ROW + lane * 16, row + cutlass.Int64(step), 16)
     x_off = len(code_rows) * CODE_ROW
@@ -168,7 +184,8 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
     if scale_off is None:
         return [_ldg_u8(row + cutlass.Int64(grp)) for row in scale_rows]
     if tiled:
-        _cp_async(slot + scale_off + lane * 8, scale_rows[0] + cutlass.Int64(c * SCALE_STAGE), 8, cache="ca")
+        _cp_async(slot + scale_off + tile_scale_offset(lane), scale_rows[0] + cutlass.Int64(tile_scale_offset(0, c)), 8,
+                  cache="ca")
         return []
     g = lane // 4
     for m, row in enumerate(scale_rows):
@@ -263,11 +280,11 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
     top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
     s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
-    if cutlass.const_expr(tiled):     # chunk 0 of the block's tile: row g + 8 i's 64 bytes at (g + 8 i) x 64
+    if cutlass.const_expr(tiled):     # this lane's bytes of chunk 0 of the block's tile
         tile = cutlass.Int64(e * rows + row0)
-        w_rows = [wb + tile * cutlass.Int64(groups * 16) + cutlass.Int64(i * CODE_ROW + lane * 16)
+        w_rows = [wb + tile * cutlass.Int64(groups * 16) + cutlass.Int64(tile_code_offset(lane, i))
                   for i in range(code_rows)]
-        s_rows = [sb + tile * cutlass.Int64(groups) + cutlass.Int64(lane * 8)]
+        s_rows = [sb + tile * cutlass.Int64(groups) + cutlass.Int64(tile_scale_offset(lane))]
     else:
         w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
         s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
