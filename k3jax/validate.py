@@ -35,6 +35,7 @@ import numpy as np
 
 from k3jax import atomic
 from k3jax.cli import Parser, at_least, check_preset, check_writable, known, run_cli
+from k3jax.config import EXPERT_CHOICES, expert_changes
 from k3jax.backend import BACKENDS, REFERENCES
 
 
@@ -246,7 +247,7 @@ def router_nudged_plan(direction: float):
 
 def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int = 1, prompt_len: int = 16,
                  seed: int = 0, per_op: bool = False, float32_floor: bool = False, noise_floor: bool = True,
-                 log=print) -> dict:
+                 experts: str | None = None, log=print) -> dict:
     """XLA greedy decode vs each backend teacher-forced on XLA's tokens (see the module doc).
 
     Per step: the largest |logit difference| relative to the largest XLA logit, and XLA's own
@@ -255,12 +256,13 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
     `noise_floor` runs two control rows, XLA with its router weights nudged by one float32 ulp
     up / down (router_nudged_plan); `float32_floor` runs XLA in float32 (the same weights, upcast
     exactly; needs the dense weights twice over in float32): the bfloat16 reference's own
-    distance from float32 arithmetic. Control rows are reported, not judged.
+    distance from float32 arithmetic. Control rows are reported, not judged. experts: one of
+    k3jax.config.EXPERT_CHOICES (None: the preset's).
     """
     import k3jax
     from k3jax.backend import KernelPlan
     from pallas_kernels.registry import TOLERANCE, clear_fallbacks, fallbacks
-    model = k3jax.from_pretrained(preset, seed=seed)
+    model = k3jax.from_pretrained(preset, seed=seed, **expert_changes(experts))
     prompt = jax.random.randint(jax.random.key(seed + 1), (batch, prompt_len), 0, model.cfg.vocab_size, jnp.int32)
     model.plan = KernelPlan.for_backend("xla")
     t0 = time.perf_counter()
@@ -354,6 +356,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="pallas,cute", help="--model: backends compared with xla")
     p.add_argument("--steps", type=int, default=64, help="--model: greedy decode steps")
     p.add_argument("--batch", type=int, default=1, help="--model: sequences")
+    p.add_argument("--experts", choices=EXPERT_CHOICES, help="--model: routed-expert storage (default: the preset's)")
     p.add_argument("--float32-floor", action="store_true",
                    help="--model: also run XLA in float32 as a noise-floor control (the dense weights in float32)")
     p.add_argument("--no-noise-floor", action="store_true",
@@ -381,7 +384,7 @@ def _main(a: argparse.Namespace) -> int:
         if a.steps < 1 or a.batch < 1:
             raise ValueError(f"--steps and --batch must be >= 1, got {a.steps} and {a.batch}")
         result = model_parity(a.preset, backends, a.steps, a.batch, per_op=a.per_op,
-                              float32_floor=a.float32_floor, noise_floor=not a.no_noise_floor)
+                              float32_floor=a.float32_floor, noise_floor=not a.no_noise_floor, experts=a.experts)
         atomic.write_json(a.out + ".json", result)
         failed = [r["backend"] for r in result["rows"][1:] if not r.get("control") and not r["passed"]]
         print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all backends match xla'}; report: {a.out}.json")

@@ -17,12 +17,14 @@
 # short (the tools save partial results); the model phases also pass bench's --budget-s, so they
 # end on their own with the points left recorded as skipped. PRESET (default k3-h200), BATCHES (default 1,8) and
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
-# OPS="moe_experts kda_decode") the ops of `validate` and `ops`. Build the CuTe library first (python -m cute_bridge.build) and take
+# OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-tiles) the
+# routed-expert storage of `parity` and `model` (default: the preset's). Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
 OUT=${OUT:-gpu_evidence}
 PRESET=${PRESET:-k3-h200}
+EXPERTS=${EXPERTS:-}
 BATCHES=${BATCHES:-1,8}
 GRANULARITIES=${GRANULARITIES:-xla-ops,per-op}
 TORCH_PRESET=${TORCH_PRESET:-kimi-linear-48b-h200}
@@ -48,12 +50,12 @@ for phase in "${phases[@]}"; do
                 --out "$OUT/validate" ;;
     ops)      run_phase ops 120 python -m k3jax.bench --ops $OPS --batches "$BATCHES" --no-progress --out "$OUT/ops.json" ;;
     parity)   run_phase parity 210 python -m k3jax.validate --model --preset "$PRESET" --backends pallas,cute \
-                --steps 64 --out "$OUT/parity" ;;
+                --steps 64 ${EXPERTS:+--experts "$EXPERTS"} --out "$OUT/parity" ;;
     bisect)   run_phase bisect 400 python -m k3jax.validate --model --per-op --preset "$PRESET" --backends pallas \
                 --steps 64 --out "$OUT/bisect" ;;
     model)    run_phase model 330 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends xla,pallas,cute --granularities "$GRANULARITIES" --steps 16 \
-                --budget-s 270 --no-progress --out "$OUT/model.json" ;;
+                ${EXPERTS:+--expert-formats "$EXPERTS"} --budget-s 270 --no-progress --out "$OUT/model.json" ;;
     large)    run_phase large 330 python -m k3jax.bench --model --preset "$PRESET" --batches 128,256 \
                 --contexts 1024 --backends pallas,xla --granularities xla-ops,per-op --steps 8 \
                 --budget-s 270 --no-progress --out "$OUT/large.json" ;;

@@ -77,6 +77,7 @@ def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     ("validate", ["--repeats", "0"], "--repeats must be >= 1"),
     ("validate", ["--budget-s", "-1"], "--budget-s must be >= 0"),
     ("validate", ["--op", "linear", "--op", "bogus"], "unknown op(s) ['bogus']"),
+    ("validate", ["--model", "--experts", "mxfp4-tiles"], "multiple of 128 for expert_layout='tiles'"),
     ("bench", ["--model", "--steps", "0"], "--steps must be >= 1"),
     ("bench", ["--model", "--warmup", "-1"], "--warmup must be >= 0"),
     ("bench", ["--model", "--budget-s", "nan"], "--budget-s must be >= 0"),
