@@ -105,6 +105,8 @@ SCALE_STEPS = SCALE_COLS // MX_STEP    # steps sharing one scale block
 KTILES = MX_STEP // BLOCK
 BF16_STEP = 128            # input columns per pipeline step for bf16 experts (SMEM: module doc)
 QUADS = MX_STEP // 128     # 128-column blocks per step: one 16-byte group per thread and row each
+# Experts in tiles (mxfp4.to_tiles): a quad is one tile chunk, per row TILE_CODES code bytes and TILE_SCALES scales.
+TILE_CODES, TILE_SCALES = mxfp4.TILE_COLS // 2, mxfp4.TILE_COLS // mxfp4.GROUP
 MAX_TOKENS = 64
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
 # SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
@@ -163,7 +165,7 @@ def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
     if not experts.tiled:
         return pairs
     tiles = lambda a, row: a.reshape(a.shape[0], a.shape[1] // BLOCK, -1, *row)      # noqa: E731
-    return tuple((tiles(w, (BLOCK, 64)), tiles(sc, (BLOCK * 4,))) for w, sc in pairs)
+    return tuple((tiles(w, (BLOCK, TILE_CODES)), tiles(sc, (BLOCK * TILE_SCALES,))) for w, sc in pairs)
 
 
 def permute_k(x: jax.Array) -> jax.Array:
@@ -231,7 +233,7 @@ def quad_addressing(w_strides: tuple[int, ...], s_strides: tuple[int, ...], quad
     code_base + r * code_row + (group0 + q) * 16, its scale byte at scale_base + r * scale_row + group0 + q.
     Row order: w [64, 256], s [64, 16]; tiles: w [4, 64, 64], s [4, 256] (one chunk per quad)."""
     if len(w_strides) == 3:
-        return dict(code_row=w_strides[1], code_base=quad * w_strides[0], scale_row=mxfp4.TILE_COLS // mxfp4.GROUP,
+        return dict(code_row=w_strides[1], code_base=quad * w_strides[0], scale_row=TILE_SCALES,
                     scale_base=quad * s_strides[0], group0=0)
     return dict(code_row=w_strides[0], code_base=0, scale_row=s_strides[0], scale_base=0, group0=4 * quad)
 
@@ -301,9 +303,9 @@ def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
             plgpu.wgmma_wait(pending)    # (2: the previous quad's registers are free again)
         return
     codes, scales = w_s[...], s_s[...]
-    if tiled:               # back to rows: [64, 256] codes and [64, 16] scales
-        codes = codes.transpose(1, 0, 2).reshape(BLOCK, -1)
-        scales = scales.reshape(QUADS, BLOCK, 4).transpose(1, 0, 2).reshape(BLOCK, -1)
+    if tiled:               # the step is one row tile's chunks: back to rows, [64, 256] codes and [64, 16] scales
+        codes = mxfp4.from_tiles(codes.reshape(BLOCK, -1))
+        scales = mxfp4.from_tiles(scales.reshape(BLOCK, -1), scales=True)
     w = permute_k(mxfp4.dequantize(codes, scales) * 2.0 ** -X_EXP).astype(jnp.bfloat16)
     for t in range(KTILES):
         stage_s[...] = w[:, t * BLOCK:(t + 1) * BLOCK]
@@ -339,8 +341,8 @@ def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
 
 def _weight_specs(mxfp4: bool, tiled: bool = False):
     if tiled:               # whole chunks of the expert's row tile (`_operands`)
-        return [plgpu.BlockSpec((QUADS, BLOCK, 64), lambda k: (k, 0, 0)),
-                plgpu.BlockSpec((QUADS, BLOCK * 4), lambda k: (k, 0))]
+        return [plgpu.BlockSpec((QUADS, BLOCK, TILE_CODES), lambda k: (k, 0, 0)),
+                plgpu.BlockSpec((QUADS, BLOCK * TILE_SCALES), lambda k: (k, 0))]
     if mxfp4:
         return [plgpu.BlockSpec((BLOCK, MX_STEP // 2), lambda k: (0, k)),
                 plgpu.BlockSpec((BLOCK, SCALE_COLS // 32), lambda k: (0, k // SCALE_STEPS))]

@@ -278,14 +278,14 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
     stage_bytes = scale_off + (SCALE_STAGE if smem_scales else 0)
     ring = smem.allocate_tensor(cutlass.Int32, cute.make_layout((WARPS * STAGES * stage_bytes // 4,)),
                                 16).iterator.toint() + warp * (STAGES * stage_bytes)
-    top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
-    s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
     if cutlass.const_expr(tiled):     # this lane's bytes of chunk 0 of the block's tile
         tile = cutlass.Int64(e * rows + row0)
         w_rows = [wb + tile * cutlass.Int64(groups * 16) + cutlass.Int64(tile_code_offset(lane, i))
                   for i in range(code_rows)]
         s_rows = [sb + tile * cutlass.Int64(groups) + cutlass.Int64(tile_scale_offset(lane))]
     else:
+        top = wb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups * 16)
+        s_top = sb + cutlass.Int64(e * rows + r0) * cutlass.Int64(groups)
         w_rows = [top + cutlass.Int64(8 * i * groups * 16) for i in range(code_rows)]
         s_rows = ([s_top + cutlass.Int64(8 * (2 * q + m) * groups) for m in range(2)] if smem_scales
                   else [s_top + cutlass.Int64(8 * i * groups) for i in range(code_rows)])
