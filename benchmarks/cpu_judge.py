@@ -28,14 +28,14 @@ def main() -> int:
 
 def judge(op: str, cases: list[str], impl: str) -> int:
     spec = registry.spec(known([op], registry.specs(), "op")[0])
-    kernel = registry.implementation(op, known([impl], registry.implementations(op), f"implementation of {op}")[0])
+    impl = known([impl], registry.implementations(op), f"implementation of {op}")[0]
     by_name = {c.name: c for c in spec.cases()}
     known(cases, sorted(by_name), f"case of {op}")
     cpu = jax.devices("cpu")[0]
     for name in cases:
         case = by_name[name]
         inputs, kw = case.make(jax.random.key(0)), dict(case.kwargs)
-        out = jax.jit(lambda *a: kernel(*a, **case.kernel_kw))(*inputs)
+        out = jax.jit(spec.runner(case, impl))(*inputs)
         ref = jax.jit(lambda *a: spec.reference(*a, **kw))(*inputs)
         with jax.default_device(cpu):
             on_cpu = jax.jit(lambda *a: spec.reference(*a, **kw))(*jax.device_put(inputs, cpu))

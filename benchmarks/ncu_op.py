@@ -36,12 +36,11 @@ def run(op: str, case_name: str, impl: str, calls: int) -> int:
     spec = registry.spec(known([op], registry.specs(), "op")[0])
     by_name = {c.name: c for c in spec.sweep("small", "k3")}
     case = by_name[known([case_name], by_name, "case")[0]]
-    fn = spec.reference if impl == "xla" else registry.implementation(op, impl)
-    if fn is None:
+    call = spec.runner(case, impl)
+    if call is None:
         raise ValueError(f"{op} has no {impl!r} implementation; it has {', '.join(registry.implementations(op))}")
     inputs = case.make(jax.random.key(0))
-    kw = case.kw if impl == "xla" else case.kernel_kw
-    step = jax.jit(lambda *a: fn(*a, **kw))
+    step = jax.jit(call)
     out = jax.block_until_ready(step(*inputs))
     for _ in range(calls):
         out = jax.block_until_ready(step(*inputs))

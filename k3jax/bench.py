@@ -158,11 +158,9 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
             arg_sets = [first] + [case.make(jax.random.key(i)) for i in range(1, copies)]
             ref = jax.jit(lambda *a: spec.reference(*a, **kw))(*first)
             for backend in backends:
-                fn = spec.reference if backend == "xla" else registry.implementation(op, backend)
-                if fn is None:
+                call = spec.runner(case, backend)
+                if call is None:
                     continue
-                fkw = kw if backend == "xla" else case.kernel_kw
-                call = lambda *a, fn=fn, fkw=fkw: fn(*a, **fkw)  # noqa: E731
                 try:
                     err = spec.error(jax.jit(call)(*first), ref, first, kw)
                     t = time_rotating(call, arg_sets, donate=spec.donate)

@@ -94,6 +94,14 @@ class OpSpec:
         """The cases of this op's shape sweep: all, or those tagged with any of `sizes`."""
         return [c for c in self.cases() if not sizes or c.sizes & set(sizes)]
 
+    def runner(self, case: Case, impl: str) -> Callable | None:
+        """A fresh function of `case`'s inputs running `impl` on them: "xla" the reference with the
+        case's kwargs, else the registered kernel with its kernel kwargs; None when `impl` has no
+        kernel for this op."""
+        fn = self.reference if impl == "xla" else implementation(self.name, impl)
+        kw = case.kw if impl == "xla" else case.kernel_kw
+        return None if fn is None else lambda *a: fn(*a, **kw)
+
     def error(self, out, ref, args, kwargs) -> float:
         if self.compare is not None:
             return self.compare(out, ref, args, kwargs)
