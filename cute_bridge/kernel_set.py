@@ -65,10 +65,9 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
 
 
 # MXFP4 codes travel as int32 words (8 codes each) so a lane copies a scale group in 16 bytes; the
-# activations (z, hid) come with their columns in decode order (cute_bridge.ops.permute_x) and
-# times 2^MOE_X_EXP (the decode's weights carry 2^-MOE_X_EXP; kernels/mxfp4_moe.py). One grid row
+# activations (z, hid) come with their columns in the decode's pair order (cute_bridge.ops.permute_x;
+# experts in tiles hold their codes in that order, so theirs come as they are). One grid row
 # per distinct expert (U); slots [U, T] names the slot each of T token columns fills (-1: none).
-MOE_X_EXP = mxfp4.DECODE_X_EXP
 MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops chunks more tokens
 MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or four sharing each activation read
 MOE_WIDE_MULTIPLE = 128         # M and I of the blocks past 16 rows: 64 rows, and whole 4-group scale words
@@ -126,7 +125,7 @@ def kernel_set_hash() -> str:
     import pathlib
     root = pathlib.Path(__file__).parent
     files = sorted([root / f for f in _HASHED] + list((root / "kernels").glob("*.py")))
-    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}|{MOE_X_EXP}|{mxfp4.DECODE_FACTOR_BIAS}".encode())
+    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}|{mxfp4.DECODE_FACTOR_BIAS}".encode())
     for f in files:
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -14,8 +14,9 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 moe_down_t{T} (each slot's weighted output, float32), summed over each token's k
                 slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in equal chunks
                 of at most 8 (ops.map_token_chunks), each reading its experts once. The kernels take the
-                activations permuted (permute_x) and times 2^MOE_X_EXP (exact in bf16 below 2^64);
-                exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (59..192). A block
+                activations in the decode's pair order (permute_x; experts in tiles store their codes
+                in that order, mxfp4.pair_nibbles, and take them as they are: no XLA pass over z);
+                exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (2..128). A block
                 owns MOE_ROWS = 64 expert rows (four MMA row tiles sharing each activation read;
                 the `_rows64` kernels) when M and I divide by 128, else 16 (`block_rows=16` forces
                 it). H200, K3 E=448 (session 11): 16 / 32 / 64 / 128 rows per block 101.5 / 98.8 /
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cute_bridge import loader
-from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_WIDE_MULTIPLE, MOE_X_EXP
+from cute_bridge.kernel_set import GEMV_ROWS, MOE_BLOCK_ROWS, MOE_TOKENS, MOE_WIDE_MULTIPLE
 from k3jax import ops
 from pallas_kernels.registry import fallback, register
 
@@ -105,6 +106,12 @@ def permute_x(x: jax.Array) -> jax.Array:
     return x.reshape(*lead, d // 8, 2, 4).swapaxes(-1, -2).reshape(*lead, d)
 
 
+def _pair_order(x: jax.Array, experts: ops.ExpertWeights) -> jax.Array:
+    """x [..., D] with its columns where the MoE kernels' decoded code pairs meet them: permute_x for
+    experts in row order; experts in tiles hold their codes paired (mxfp4.pair_nibbles): x as it is."""
+    return x if experts.tiled else permute_x(x)
+
+
 def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: int):
     """The MoE kernels' grouping of ids, weights [N, k] (N <= tokens) -> (experts, slots, kept, coef).
 
@@ -165,15 +172,14 @@ def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_b
     k = ids.shape[1]
     tokens = next(t for t in MOE_TOKENS if t >= n)
     uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
-    x_scale = 2.0 ** MOE_X_EXP          # the decoded weights carry 2^-MOE_X_EXP: every product is unchanged
     if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
     kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}") + (
         "_tiles" if experts.tiled else "")      # tiled experts: M and I are multiples of 128 (K3Config)
-    gate, up = loader.call(f"moe_gate_up_{kernel}", permute_x(z) * x_scale, uniq, slots, _words(experts.w1),
+    gate, up = loader.call(f"moe_gate_up_{kernel}", _pair_order(z, experts), uniq, slots, _words(experts.w1),
                            experts.s1, _words(experts.w3), experts.s3, dims={"S": n * k})
     hid = ops.glu(gate, up, act, beta, linear_beta)
-    (part,) = loader.call(f"moe_down_{kernel}", permute_x(hid) * x_scale, uniq, slots, coef.reshape(-1),
+    (part,) = loader.call(f"moe_down_{kernel}", _pair_order(hid, experts), uniq, slots, coef.reshape(-1),
                           _words(experts.w2), experts.s2)
     part = jnp.where(kept[..., None], part.reshape(n, k, m), 0.0)            # unfilled slots: no term
     return part.sum(1).astype(z.dtype)                                      # the reference's float32 combine

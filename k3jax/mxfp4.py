@@ -10,10 +10,13 @@ A weight W [out, in] is stored as
 Tiled storage (`to_tiles` / `from_tiles`; the routed experts' `expert_layout = "tiles"`): the same
 two arrays, same shapes, with their bytes in tile order - per block of TILE_ROWS = 64 output rows,
 per TILE_COLS = 128 inputs, the 64 rows' 64 code bytes and their 4 scale bytes contiguous
-([out/64, in/128, 64, 64] and [out/64, in/128, 64, 4] read as [out, in/2] and [out, in/32]). A
-decode kernel then streams 4 KB of codes (and 256 B of scales) per chunk in memory order instead
-of 64-byte pieces of 64 rows a row apart: DRAM locality, +6% for the CuTe kernels (H200, session
-20, BENCHMARKS.md). Needs out % 64 == 0 and in % 128 == 0.
+([out/64, in/128, 64, 64] and [out/64, in/128, 64, 4] read as [out, in/2] and [out, in/32]) - and
+each 32-bit word of codes in pair order (`pair_nibbles`: its 8 columns' even codes in nibbles 0-3,
+the odd ones in 4-7). A decode kernel then streams 4 KB of codes (and 256 B of scales) per chunk
+in memory order instead of 64-byte pieces of 64 rows a row apart (DRAM locality, +6% for the CuTe
+kernels: H200, session 20, BENCHMARKS.md), and its bf16 pair of codes (a, a + 4) of a word holds
+columns 2a, 2a + 1: the CuTe kernels take the activations in column order (no XLA permutation).
+Needs out % 64 == 0 and in % 128 == 0.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ _E2M1_TABLE = np.array(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), np.float32)
 _E2M1_MAX_EXP = 2            # 6 = 1.5 * 2^2: the largest E2M1 exponent
 SCALE_BIAS = 127
 # The GPU kernels' decode (Pallas and CuTe moe_experts): a code's bits placed in a bf16 read as
-# E2M1 x 2^-126, one fma by the group's factor 2^(scale - 1 - DECODE_X_EXP) gives the weight times
-# 2^-DECODE_X_EXP, and the activations enter times 2^DECODE_X_EXP (exact in bf16), so every product
-# is the reference's. Exact for scale codes DECODE_EXACT_SCALES (59..192: below, a product's lowest
-# bit drops under bf16's smallest subnormal 2^-133; above, the factor's exponent field passes 254)
-# and activations below 2^64 in magnitude.
-DECODE_X_EXP = 64
-DECODE_FACTOR_BIAS = 126 - DECODE_X_EXP          # the factor's bf16 exponent field = scale + this
-DECODE_EXACT_SCALES = (DECODE_X_EXP - 5, 254 - DECODE_FACTOR_BIAS)
+# E2M1 x 2^-126, one fma by the group's factor 2^(scale - 1) (bf16 exponent field scale +
+# DECODE_FACTOR_BIAS) gives the weight itself, so every product with a bf16 activation is the
+# reference's. Exact for scale codes DECODE_EXACT_SCALES (2..128, i.e. groups up to 12 in
+# magnitude: past 128 the factor's exponent field passes 254; below 2, E2M1 0.5 x 2^(code - 127)
+# is a float32 subnormal, which XLA's dequantize flushes to 0 and the decode keeps; real and
+# random MXFP4 weights sit near 2^-7, codes ~120). Code 0, which `dequantize` reads as 0: the
+# CuTe kernels give 0, the Pallas kernels E2M1 x 2^-127.
+DECODE_FACTOR_BIAS = 126
+DECODE_EXACT_SCALES = (2, 254 - DECODE_FACTOR_BIAS)
 
 
 def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
@@ -118,15 +122,39 @@ def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
     return (a.reshape(tiles_first if inverse else rows_first).transpose(perm)).reshape(a.shape)
 
 
+def pair_nibbles(packed, *, inverse: bool = False):
+    """weight_packed [..., in/2] (in % 8 == 0) -> the same bytes with each 32-bit word's 8 codes in
+    pair order: columns 0, 2, 4, 6 in nibbles 0-3 and 1, 3, 5, 7 in nibbles 4-7, so nibbles a and
+    a + 4 (the kernels' bf16 pair) are columns 2a, 2a + 1. inverse: back to column order. numpy or
+    jax arrays (the type is kept)."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    *lead, half = packed.shape
+    if half % 4:
+        raise ValueError(f"pair_nibbles needs whole 32-bit words of codes, got {half} bytes per row")
+    b = packed.reshape(*lead, half // 4, 2, 2)
+    if inverse:     # [..., half h, byte p]: h = 0 the even columns, 1 the odd -> bytes 2p, 2p + 1
+        even, odd = b[..., 0, :], b[..., 1, :]
+        out = xp.stack([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+    else:           # [..., byte pair p, byte i]: pair p's low nibbles -> the even half, high -> odd
+        first, second = b[..., 0], b[..., 1]
+        out = xp.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=-2)
+    return out.reshape(packed.shape)
+
+
 def to_tiles(a, *, scales: bool = False):
     """weight_packed [..., out, in/2] (scales: weight_scale [..., out, in/32]) in row order -> the
-    same array in tile order (module doc). numpy or jax arrays; ValueError unless the shape tiles."""
-    return _tile_order(a, TILE_COLS // (GROUP if scales else 2), inverse=False)
+    same array in tile order, codes in pair order (module doc). numpy or jax arrays; ValueError
+    unless the shape tiles."""
+    if scales:
+        return _tile_order(a, TILE_COLS // GROUP, inverse=False)
+    return _tile_order(pair_nibbles(a), TILE_COLS // 2, inverse=False)
 
 
 def from_tiles(a, *, scales: bool = False):
     """The inverse of `to_tiles`: a tile-ordered weight_packed (scales: weight_scale) -> row order."""
-    return _tile_order(a, TILE_COLS // (GROUP if scales else 2), inverse=True)
+    if scales:
+        return _tile_order(a, TILE_COLS // GROUP, inverse=True)
+    return pair_nibbles(_tile_order(a, TILE_COLS // 2, inverse=True), inverse=True)
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -25,23 +25,23 @@ subnormal for e = 0, exactly as E2M1's own subnormals). Per pair of codes (c_a, 
 isolates the two nibbles, one integer multiply by 2^(12-4a) + 2^(6-4a) moves the signs and the
 magnitudes into place at once (the two shifted copies do not overlap, so the sum is their or),
 one `and` keeps the bf16 bits, and one `fma.rn.bf16x2` multiplies by the group's power-of-two
-factor 2^(scale - 1 - X_EXP): 17 instructions per word. The factor folds in the 2^126 and a
-2^-X_EXP (X_EXP = 64) that the activations carry instead (z and h enter the kernels times 2^64;
-both scalings are exact, so every wgmma product equals the reference's): a bf16 factor cannot
-hold 2^126 beside the scale. Exact for scale codes in EXACT_SCALES = [59, 192] (2^-68 .. 2^65;
-random and real MXFP4 weights sit near 2^-7) and activations below 2^64. The
+factor 2^(scale - 1), which folds in the 2^126: 17 instructions per word, and every wgmma
+product equals the reference's. Exact for scale codes in EXACT_SCALES = [2, 128] (groups up to
+12 in magnitude; random and real MXFP4 weights sit near 2^-7; k3jax.mxfp4; until session 21 the
+factor was 2^(scale - 65) with the activations times 2^64: codes 59..192, one XLA multiply). The
 bf16 pairs go straight into the register operand (A) of wgmma: no staging through shared
 memory. Each thread decodes the 16-byte groups its WGMMA register layout owns, which orders the
 contraction dimension differently from memory: within every 128 input columns, column
 32q + 8k + a + 4n of the weights lands at position 32k + 8a + 2q + n (q: thread's column quad,
 k: word, a: pair, n: which code of the pair). The activations (z, and h for the down kernel) are
 permuted the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB),
-which leaves the matrix product unchanged. In interpret mode (CPU) the interpreter cannot run
+which leaves the matrix product unchanged (experts in tiles, codes in mxfp4.pair_nibbles' order:
+column 32q + 8k + 2a + n lands there, `permute_k(tiled=True)`). In interpret mode (CPU) the interpreter cannot run
 inline PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize
-(times 2^-X_EXP) and staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and
+and staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and
 the tests run a numpy model of it (with the register placement of `_decode_quad`) against
 mxfp4.dequantize + permute_k, bit for bit, for every code in every position at the scale codes in
-use and both ends of EXACT_SCALES (and show the range is tight).
+use and both ends of EXACT_SCALES (and show its top is tight), in row order and in tiles.
 Stages (`OCCUPANCY`): as many as keep three programs resident per SM, so one decodes while the
 others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens. MX_STEP (input
 columns per step) is 512; 256 (3 + 4 stages at the same occupancy) measured the same at batch 1
@@ -60,7 +60,8 @@ program per SM is 25% slower, deeper pipelines gain nothing).
 MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; session 20, not yet
 run on a GPU) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
 (`_operands`): a step's TMA brings 4 whole chunks (16 KB contiguous, against 64 rows of 256 B
-1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad.
+1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad;
+their codes' pair order changes only the activations' permutation (`permute_k(tiled=True)`).
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -168,25 +169,28 @@ def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
     return tuple((tiles(w, (BLOCK, TILE_CODES)), tiles(sc, (BLOCK * TILE_SCALES,))) for w, sc in pairs)
 
 
-def permute_k(x: jax.Array) -> jax.Array:
+def permute_k(x: jax.Array, tiled: bool = False) -> jax.Array:
     """x [..., D] (D a multiple of 128) -> its columns in the kernels' contraction order: within
-    each 128 columns, column 32q + 8k + a + 4n moves to 32k + 8a + 2q + n (see module doc)."""
+    each 128 columns, column 32q + 8k + a + 4n moves to 32k + 8a + 2q + n (see module doc); tiled
+    (codes in mxfp4.pair_nibbles' order): column 32q + 8k + 2a + n does."""
     *lead, d = x.shape
     nl = len(lead)
+    if tiled:
+        y = x.reshape(*lead, d // 128, 4, 4, 4, 2)                       # (q, k, a, n)
+        return y.transpose(*range(nl + 1), nl + 2, nl + 3, nl + 1, nl + 4).reshape(*lead, d)
     y = x.reshape(*lead, d // 128, 4, 4, 2, 4)                           # (q, k, n, a)
     return y.transpose(*range(nl + 1), nl + 2, nl + 4, nl + 1, nl + 3).reshape(*lead, d)
 
 
-def _k_tiles(x: jax.Array) -> jax.Array:
-    """x [..., Np, D] -> [..., D/64, Np, 64]: permuted columns, 64-column wgmma K-tiles outermost
-    (a pipeline step's tiles are contiguous; wgmma operands cannot be strided views)."""
+def _k_tiles(x: jax.Array, tiled: bool) -> jax.Array:
+    """x [..., Np, D] -> [..., D/64, Np, 64]: permuted columns (permute_k), 64-column wgmma K-tiles
+    outermost (a pipeline step's tiles are contiguous; wgmma operands cannot be strided views)."""
     *lead, n, d = x.shape
-    return jnp.swapaxes(permute_k(x).reshape(*lead, n, d // BLOCK, BLOCK), -3, -2)
+    return jnp.swapaxes(permute_k(x, tiled).reshape(*lead, n, d // BLOCK, BLOCK), -3, -2)
 
 
 # ------------------------------------------------------------------ the word decode (PTX)
 # The one-fma decode and its exact range: k3jax.mxfp4.DECODE_* (shared with the CuTe kernels).
-X_EXP = mxfp4.DECODE_X_EXP
 SCALE_BIAS = mxfp4.DECODE_FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES
 
@@ -199,11 +203,11 @@ def _pair(src: str, a: int, out: str) -> tuple:
             # the signs to bits 15 / 31. The shifted copies do not overlap, so no carries.
             ("mul", b, n, (1 << 12 - 4 * a) + (1 << 6 - 4 * a)),
             ("and", b, b, 0x81C081C0),                  # bf16 bits of E2M1 * 2^-126 (subnormal if e = 0)
-            ("fma", out, b, "s"))                       # exact: E2M1 * 2^(scale - 127 - X_EXP)
+            ("fma", out, b, "s"))                       # exact: E2M1 * 2^(scale - 127)
 
 
 # One packed word "w" (codes c0..c7, c_i in bits 4i..4i+3) and the group's factor "s" (bf16
-# 2^(scale - 1 - X_EXP) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a bf16 pair. The
+# 2^(scale - 1) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a bf16 pair. The
 # sign and the magnitude bits of a code move by different shifts (12 and 6 bits): a code's nibble
 # is isolated, then one integer multiply (IMAD) applies both shifts at once: 4 instructions per
 # pair, 17 per word (the kernel is issue-bound: each instruction saved shows; module doc).
@@ -269,7 +273,7 @@ def _decode_quad(w_s, s_s, quad: int):
             words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
             s_off = arith.addi(arith.muli(row, c(at["scale_row"])), arith.addi(group, c(at["scale_base"])))
             code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
-            # bf16 bits of 2^(code - 1 - X_EXP) in both halves (DECODE_PROGRAM's factor)
+            # bf16 bits of 2^(code - 1) in both halves (DECODE_PROGRAM's factor)
             scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
             for k in range(4):
                 word = vector.extract(words, dynamic_position=[],
@@ -306,7 +310,7 @@ def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
     if tiled:               # the step is one row tile's chunks: back to rows, [64, 256] codes and [64, 16] scales
         codes = mxfp4.from_tiles(codes.reshape(BLOCK, -1))
         scales = mxfp4.from_tiles(scales.reshape(BLOCK, -1), scales=True)
-    w = permute_k(mxfp4.dequantize(codes, scales) * 2.0 ** -X_EXP).astype(jnp.bfloat16)
+    w = permute_k(mxfp4.dequantize(codes, scales), tiled).astype(jnp.bfloat16)
     for t in range(KTILES):
         stage_s[...] = w[:, t * BLOCK:(t + 1) * BLOCK]
         plgpu.commit_smem()
@@ -357,9 +361,9 @@ def _x_spec(n_pad: int, mxfp4: bool):
     return plgpu.BlockSpec((n_pad, BF16_STEP), lambda k: (0, k), transforms=TILED)
 
 
-def _x_layout(x: jax.Array, mxfp4: bool) -> jax.Array:
+def _x_layout(x: jax.Array, experts: ops.ExpertWeights) -> jax.Array:
     """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4) or x."""
-    return _k_tiles(x * 2.0 ** X_EXP) if mxfp4 else x
+    return _k_tiles(x, experts.tiled) if experts.is_mxfp4 else x
 
 
 def _staging(body, staged: bool):
@@ -511,9 +515,9 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     slots = min(n_exp, n * k)
     uniq, coef = ops.expert_dispatch(ids, weights, n_exp, slots)
     coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), mx)
+    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)
     h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
-    ht = _x_layout(jnp.swapaxes(h, 1, 2), mx)                          # per slot, as z
+    ht = _x_layout(jnp.swapaxes(h, 1, 2), experts)                        # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
     part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
     return part.sum(0).T[:n].astype(z.dtype)

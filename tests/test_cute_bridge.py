@@ -233,21 +233,21 @@ def test_k_splits():
 
 def _emulated_moe_kernel(name, *args, dims=None):
     """A jnp model of the MoE kernels' contract (kernels/mxfp4_moe.py): for every named slot of grid
-    row u, the expert's product on that token column's activation row; unnamed outputs stay NaN."""
-    from cute_bridge.kernel_set import MOE_X_EXP
+    row u, the expert's product on that token column's activation row, each word's code pairs
+    (nibbles a, a + 4) meeting consecutive activation columns; unnamed outputs stay NaN."""
     from cute_bridge.ops import permute_x
     from k3jax import mxfp4
     x, experts, slots, *rest = args
     weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
     pairs = [(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s) for w, s in zip(rest[::2], rest[1::2])]
-    if name.endswith("_tiles"):
-        pairs = [(mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
+    if name.endswith("_tiles"):     # the stored codes, in row order (their nibbles as stored: paired)
+        pairs = [(mxfp4.pair_nibbles(mxfp4.from_tiles(w)), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
     mats = [permute_x(mxfp4.dequantize(w, s, jnp.float32)) for w, s in pairs]
     s_n = dims["S"] if dims else x.shape[0]
     per_token = s_n // x.shape[0]                              # gate_up: x rows are tokens; down: slots
     named = (slots >= 0) & (experts[:, None] < mats[0].shape[0])                         # [U, T]
     rows = x[jnp.maximum(slots, 0) // (1 if weights is not None else per_token)]         # [U, T, in]
-    rows = rows.astype(jnp.float32) * 2.0 ** -MOE_X_EXP
+    rows = rows.astype(jnp.float32)
     target = jnp.where(named, slots, s_n)                      # unnamed: out of range, dropped
     outs = []
     for m in mats:
@@ -336,8 +336,9 @@ def test_kernels_keep_their_occupancy(library):
 def test_tiled_experts_are_read_into_the_row_order_slot_image():
     """The `_tiles` kernels' addressing (tile_code_offset / tile_scale_offset, what the kernels
     emit) reads from a 64-row tile in mxfp4.to_tiles' order exactly the bytes the row-order kernels
-    stage in a ring slot: lane (g, q)'s 16 code bytes of row g + 8 i in chunk c, and the chunk's
-    scale image (row r's four groups at 4 r .. 4 r + 3)."""
+    stage in a ring slot from the same codes in pair order (mxfp4.pair_nibbles): lane (g, q)'s 16
+    code bytes of row g + 8 i in chunk c, and the chunk's scale image (row r's four groups at
+    4 r .. 4 r + 3)."""
     from cute_bridge.kernels import mxfp4_moe as k
     from k3jax import mxfp4
     rng = np.random.default_rng(1)
@@ -346,12 +347,13 @@ def test_tiled_experts_are_read_into_the_row_order_slot_image():
     scales = rng.integers(0, 256, (64, chunks * 4), np.uint8)
     tiled_codes = np.asarray(mxfp4.to_tiles(codes)).reshape(-1)
     tiled_scales = np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1)
+    paired = mxfp4.pair_nibbles(codes)
     for c in range(chunks):
         for lane in range(32):
             g, q = divmod(lane, 4)
             for i in range(8):
                 at = k.tile_code_offset(lane, i, c)
-                np.testing.assert_array_equal(tiled_codes[at:at + 16], codes[g + 8 * i, (4 * c + q) * 16:][:16])
+                np.testing.assert_array_equal(tiled_codes[at:at + 16], paired[g + 8 * i, (4 * c + q) * 16:][:16])
             at = k.tile_scale_offset(lane, c)
             image = [scales[p // 4, 4 * c + p % 4] for p in range(lane * 8, lane * 8 + 8)]
             np.testing.assert_array_equal(tiled_scales[at:at + 8], image)

@@ -101,18 +101,34 @@ def test_expert_weights_gather_dequantises():
 
 def test_tile_order_layout_and_round_trip():
     """to_tiles puts each 64-row x 128-input tile's 64 code bytes (4 scale bytes) per row together,
-    chunk after chunk; from_tiles undoes it; numpy and jax arrays alike."""
+    chunk after chunk, codes in pair order; from_tiles undoes it; numpy and jax arrays alike."""
     packed, scale = mxfp4.random_packed(jax.random.key(3), (2, 128, 256))       # [E, out, in/2], [E, out, in/32]
     tp, ts = mxfp4.to_tiles(packed), mxfp4.to_tiles(scale, scales=True)
     assert tp.shape == packed.shape and ts.shape == scale.shape
     flat_p, flat_s = np.asarray(tp).reshape(2, -1), np.asarray(ts).reshape(2, -1)
+    paired = np.asarray(mxfp4.pair_nibbles(packed))
     for e, t, c, r in ((0, 0, 0, 0), (1, 1, 1, 63), (1, 0, 1, 5)):          # expert, row tile, chunk, row
         start = ((t * 2 + c) * 64 + r) * 64
-        np.testing.assert_array_equal(flat_p[e, start:start + 64], np.asarray(packed)[e, 64 * t + r, 64 * c:64 * c + 64])
+        np.testing.assert_array_equal(flat_p[e, start:start + 64], paired[e, 64 * t + r, 64 * c:64 * c + 64])
         start = ((t * 2 + c) * 64 + r) * 4
         np.testing.assert_array_equal(flat_s[e, start:start + 4], np.asarray(scale)[e, 64 * t + r, 4 * c:4 * c + 4])
     np.testing.assert_array_equal(mxfp4.from_tiles(tp), packed)
     np.testing.assert_array_equal(mxfp4.from_tiles(np.asarray(ts), scales=True), np.asarray(scale))
+
+
+def test_pair_nibbles_pairs_consecutive_columns():
+    """pair_nibbles: nibbles a and a + 4 of every 32-bit word hold columns 2a and 2a + 1 of its 8;
+    inverse undoes it; numpy stays numpy, jax stays jax; a partial word is refused."""
+    packed, _ = mxfp4.random_packed(jax.random.key(5), (3, 16, 64))
+    paired = mxfp4.pair_nibbles(packed)
+    codes = np.asarray(mxfp4.unpack_codes(packed)).reshape(3, 16, -1, 8)
+    nibbles = np.asarray(mxfp4.unpack_codes(paired)).reshape(3, 16, -1, 8)       # nibble order per word
+    np.testing.assert_array_equal(nibbles[..., :4], codes[..., 0::2])
+    np.testing.assert_array_equal(nibbles[..., 4:], codes[..., 1::2])
+    np.testing.assert_array_equal(np.asarray(mxfp4.pair_nibbles(paired, inverse=True)), np.asarray(packed))
+    assert isinstance(mxfp4.pair_nibbles(np.asarray(packed)), np.ndarray) and isinstance(paired, jax.Array)
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        mxfp4.pair_nibbles(np.zeros((4, 6), np.uint8))
 
 
 def test_tiles_need_64_rows_and_128_inputs():

@@ -47,7 +47,7 @@ def _run_program(word, scale):
 
 def _compiled_decode_model(packed, scale):
     """One scale block as the compiled kernel decodes it: packed [64, 256] uint8, scales [64, 16]
-    -> [64, 512] bf16 weights times 2^-X_EXP in wgmma K-tile order. The block is SCALE_STEPS pipeline steps; step t gets
+    -> [64, 512] bf16 weights in wgmma K-tile order. The block is SCALE_STEPS pipeline steps; step t gets
     the codes [:, t * MX_STEP/2 ...] and the scales [:, t * MX_STEP/32 ...] (me._dequant_mma), decoded
     through the thread -> (row, group, register) map of me._decode_quad (WGMMA layout: register
     (j, r) of lane l holds columns 8j + 2(l%4) + {0,1})."""
@@ -70,35 +70,39 @@ def _compiled_decode_model(packed, scale):
     return out.view(jnp.bfloat16)
 
 
-def _decode_mismatches(scale_code: int) -> int:
-    """Elements where the compiled-decode model times 2^X_EXP differs from permute_k(mxfp4.dequantize)
-    (as numbers; zeros by sign bit too), over every code in every byte position at one scale code."""
+def _decode_mismatches(scale_code: int, tiled: bool = False) -> int:
+    """Elements where the compiled-decode model differs from permute_k(mxfp4.dequantize) (as
+    numbers; zeros by sign bit too), over every code in every byte position at one scale code.
+    tiled: the decode reads the codes in mxfp4.pair_nibbles' order (experts in tiles; that the
+    tile image puts those bytes where the row image has them: the next test)."""
     codes = np.arange(256, dtype=np.uint8)
     packed = np.stack([np.roll(codes, 7 * r) for r in range(64)])                 # [64, 256]
     scale = np.full((64, 16), scale_code, np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
-        got = _compiled_decode_model(packed, scale).astype(np.float64) * 2.0 ** me.X_EXP
-    want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)))).astype(np.float64)
+        got = _compiled_decode_model(mxfp4.pair_nibbles(packed) if tiled else packed, scale).astype(np.float64)
+    want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)), tiled)).astype(np.float64)
     return int(((got != want) | (np.signbit(got) != np.signbit(want))).sum())
 
 
-def test_compiled_decode_model_is_exact():
+@pytest.mark.parametrize("tiled", [False, True])
+def test_compiled_decode_model_is_exact(tiled):
     """Every code in every byte position, the scale codes the tests and K3 use and both ends of
-    EXACT_SCALES: the PTX program + register placement equals mxfp4.dequantize (times 2^-X_EXP)
-    followed by permute_k, bit for bit (signed zeros included)."""
+    EXACT_SCALES: the PTX program + register placement equals mxfp4.dequantize followed by
+    permute_k, bit for bit (signed zeros included), for codes in row order and in pair order."""
     lo, hi = me.EXACT_SCALES
-    for code in [*range(100, 135), lo, lo + 1, 64, 66, 126, 127, 128, 160, hi - 1, hi]:
-        assert _decode_mismatches(code) == 0, code
+    for code in [*range(100, hi + 1), lo, lo + 1, 64]:
+        assert _decode_mismatches(code, tiled) == 0, code
 
 
 def test_tiled_step_is_decoded_from_the_same_bytes():
     """The compiled decode's SMEM addressing (me.quad_addressing, the offsets _decode_quad emits)
     reads, from a step's image in tile order ([4 chunks, 64 rows, 64 B], scales [4, 256]), the
-    bytes it reads from the row-order image ([64, 256], [64, 16]) for every row, quad and group."""
+    bytes it reads from the row-order image ([64, 256], [64, 16]) of the same codes in pair order
+    (mxfp4.pair_nibbles) for every row, quad and group."""
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 256, (64, me.MX_STEP // 2), np.uint8)
     scales = rng.integers(0, 256, (64, me.MX_STEP // 32), np.uint8)
-    images = {"rows": (codes.reshape(-1), scales.reshape(-1), (256, 1), (16, 1)),
+    images = {"rows": (mxfp4.pair_nibbles(codes).reshape(-1), scales.reshape(-1), (256, 1), (16, 1)),
               "tiles": (np.asarray(mxfp4.to_tiles(codes)).reshape(-1),
                         np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1), (4096, 64, 1), (256, 1))}
     for quad in range(me.QUADS):
@@ -109,7 +113,8 @@ def test_tiled_step_is_decoded_from_the_same_bytes():
                            sc[at["scale_base"] + r * at["scale_row"] + at["group0"] + q])
                           for r in range(64) for q in range(4)]
         assert read["rows"] == read["tiles"]
-        assert read["rows"][5 * 4 + 2] == (codes[5, (4 * quad + 2) * 16:][:16].tobytes(), scales[5, 4 * quad + 2])
+        assert read["rows"][5 * 4 + 2] == (mxfp4.pair_nibbles(codes)[5, (4 * quad + 2) * 16:][:16].tobytes(),
+                                           scales[5, 4 * quad + 2])
 
 
 def test_exact_scale_range_is_tight():
@@ -122,8 +127,10 @@ def test_permute_k_is_a_permutation_per_128_columns():
     x = jnp.arange(2 * 256).reshape(2, 256)
     y = np.asarray(me.permute_k(x))
     assert sorted(y[0]) == list(range(256)) and (y[0, :128] < 128).all() and (y[1] - y[0] == 256).all()
-    # Column 32q + 8k + a + 4n lands at 32k + 8a + 2q + n.
+    # Column 32q + 8k + a + 4n lands at 32k + 8a + 2q + n; in tiles column 32q + 8k + 2a + n does.
     assert y[0, 32 * 2 + 8 * 3 + 2 * 1 + 1] == 32 * 1 + 8 * 2 + 3 + 4 * 1
+    t = np.asarray(me.permute_k(x, tiled=True))
+    assert sorted(t[0]) == list(range(256)) and t[0, 32 * 2 + 8 * 3 + 2 * 1 + 1] == 32 * 1 + 8 * 2 + 2 * 3 + 1
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)

@@ -36,8 +36,9 @@ kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of g
 128-column chunk, 64 rows, 64 B / 4 B], contiguous per chunk) ran batch 1 in 88 us (74.3%) and
 batch 8 in 504 us (90%), against 93.5 / 529: DRAM locality. The `_tiles` entries read experts
 stored that way (k3jax.mxfp4.to_tiles, K3Config.expert_layout "tiles"; not yet run on a GPU):
-only the two global addresses differ (`_issue`, `_expert_tile`), the shared-memory images are
-the same.
+only the two global addresses differ (`_issue`, `_expert_tile`), and their codes sit in pair
+order (k3jax.mxfp4.pair_nibbles: nibbles a, a + 4 of a word are columns 2a, 2a + 1), so the
+activations come in column order: the same kernel code, no XLA permutation of z.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
@@ -72,19 +73,20 @@ code pair (a, a + 4) of a word (nibbles a and a + 4, a = 0..3; a = 2, 3 from the
 8): and isolates the two nibbles, one integer multiply by (2^(12-4a) + 2^(6-4a)) places the sign
 and magnitude copies (they do not overlap, so the product is the or of two shifts), and the mask
 0x81C081C0 keeps sign and magnitude: 3 integer ops per pair. One exact `fma.rn.bf16x2` by the
-group's factor 2^(s - 1 - MOE_X_EXP) gives the weight times 2^-MOE_X_EXP; the activations enter times
-2^MOE_X_EXP (`cute_bridge.ops`), so every MMA product equals the reference's (a bf16 factor cannot
-hold 2^126 beside the scale). Exact for scale bytes EXACT_SCALES = [59, 192] (weights 2^-68 ..
-2^65 per group; random and real MXFP4 weights sit near 2^-7) and activations below 2^64, as the
-Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the reference. Versus
+group's factor 2^(s - 1) gives the weight, so every MMA product equals the reference's. Exact for
+scale bytes EXACT_SCALES = [2, 128] (groups up to 12 in magnitude; random and real MXFP4 weights
+sit near 2^-7), as the Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the
+reference. Until session 21 the factor was 2^(s - 65) and the activations entered times 2^64
+(bytes 59..192, and an XLA multiply of z). Versus
 the exact-everywhere two-fma decode (by 2^126, then by 2^(s-127): `decode_word_ptx(False)`),
 3% faster at batch 1 and 4% at batch 8 (session 7). In gate_up's 16-row blocks, words alternate
 between two C fragments (two independent MMA chains, summed at the end); more row tiles are
 independent chains already.
 
-The decoded pairs hold input columns (8k + a, 8k + a + 4) of word k, so the activations come in
-that order: `cute_bridge.ops.permute_x` regroups each 8 columns (0, 4, 1, 5, 2, 6, 3, 7) in XLA
-(a few KB; for the down projection it fuses into the GLU), and one 16-byte read then gives a
+The decoded pairs hold input columns (8k + a, 8k + a + 4) of word k in row order, so the
+activations come in that order: `cute_bridge.ops.permute_x` regroups each 8 columns (0, 4, 1, 5,
+2, 6, 3, 7) in XLA (a few KB, one launch for z; for the down projection it fuses into the GLU;
+experts in tiles need neither: their pairs are columns 2a, 2a + 1), and one 16-byte read then gives a
 word's four activation pairs (in-kernel `prmt` regrouping measured 3% slower at batch 1, 8% at
 batch 8). The MMA sums over the same columns in another order; every product is exact in fp32
 (as the reference's bf16 x bf16 products), only the summation order differs. Expert ids and
@@ -136,7 +138,7 @@ GATE_UP_ACCS, DOWN_ACCS = 2, 1
 
 def decode_word_ptx() -> str:
     """PTX: $0..$3 = the scaled bf16 pairs (codes a, a + 4), a = 0..3, of word $4 (codes c0..c7
-    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1 - MOE_X_EXP) (0 for s = 0); per pair and, mul, and
+    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1) (0 for s = 0); per pair and, mul, and
     (the bit placement) and one fma."""
     lines = ["{", ".reg .b32 t, n, nz;", f"mov.b32 nz, 0x{NEG_ZERO2:08X};", "shr.u32 t, $4, 8;"]
     for out, (src, a) in enumerate((("$4", 0), ("$4", 1), ("t", 0), ("t", 1))):
@@ -256,7 +258,7 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
     """acc (per row tile t, accs C fragments; summed into the tile's first at the end) += this
     warp's chunks of dequant(w[e, row0:row0 + 16 row_tiles]) @ x[rows of the token columns].T for
     int32 code words at global address wb ([E, rows, groups * 4]) with scale bytes at sb ([E,
-    rows, groups]); x's columns in decode order, times 2^MOE_X_EXP. xrow: the x row this lane
+    rows, groups]); x's columns in decode order. xrow: the x row this lane
     stages (tokens = 1: the one row; 8: token column lane // 4's row, copied if `named`). The row
     tiles share each chunk's activations: one staging and one shared-memory read per chunk.
     tiled (row_tiles = 4): codes and scales in k3jax.mxfp4.to_tiles' order, each chunk contiguous."""
@@ -452,7 +454,7 @@ def _launch_down(hid, experts, slots, weights, w2, s2, part, stream, rows: int, 
 @cute.jit
 def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
             w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
-    """z [N, M] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
+    """z [N, M] bf16 (columns in decode order: cute_bridge.ops.permute_x), experts [U] int32, slots [U, T]
     int32 (T static, one of kernel_set.MOE_TOKENS), w1/w3 int32 [E, I, M/8], s1/s3 uint8 [E, I, M/32] -> gate, up
     [S, I] bf16 at the named slots (I % 16 == 0; S = N * k). 16 rows per block."""
     _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, TILE)
@@ -461,7 +463,7 @@ def gate_up(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.T
 @cute.jit
 def down(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor, w2: cute.Tensor,
          s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
-    """hid [S, I] bf16 (columns in decode order, times 2^MOE_X_EXP), experts [U] int32, slots [U, T]
+    """hid [S, I] bf16 (columns in decode order), experts [U] int32, slots [U, T]
     int32, weights [S] f32, w2 int32 [E, M, I/8], s2 uint8 [E, M, I/32] -> part [S, M] f32 at the
     named slots (M % 16 == 0). 16 rows per block."""
     _launch_down(hid, experts, slots, weights, w2, s2, part, stream, TILE)
@@ -484,12 +486,14 @@ def down_rows64(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weig
 @cute.jit
 def gate_up_rows64_tiles(z: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, w1: cute.Tensor, s1: cute.Tensor,
                          w3: cute.Tensor, s3: cute.Tensor, gate: cute.Tensor, up: cute.Tensor, stream: cuda.CUstream):
-    """`gate_up_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; M % 128 == 0)."""
+    """`gate_up_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; M % 128 == 0): z in
+    column order (the tiles' codes are paired)."""
     _launch_gate_up(z, experts, slots, w1, s1, w3, s3, gate, up, stream, 4 * TILE, True)
 
 
 @cute.jit
 def down_rows64_tiles(hid: cute.Tensor, experts: cute.Tensor, slots: cute.Tensor, weights: cute.Tensor,
                       w2: cute.Tensor, s2: cute.Tensor, part: cute.Tensor, stream: cuda.CUstream):
-    """`down_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; I % 128 == 0)."""
+    """`down_rows64` over experts stored in tiles (k3jax.mxfp4.to_tiles; I % 128 == 0): hid in
+    column order."""
     _launch_down(hid, experts, slots, weights, w2, s2, part, stream, 4 * TILE, True)
