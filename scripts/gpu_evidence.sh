@@ -3,7 +3,7 @@
 # whole-model backend parity, whole-step timings.
 #
 #   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]
-#   phases: validate ops parity model large bisect | torch kimi contexts | tiles
+#   phases: validate ops parity model large bisect | torch kimi contexts | tiles | ncu-mla
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
 # `torch kimi contexts` or `tiles` (the phase limits below add up to under 600 s). `tiles`: the
@@ -18,7 +18,9 @@
 # end on their own with the points left recorded as skipped. PRESET (default k3-h200), BATCHES (default 1,8) and
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
 # OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-tiles) the
-# routed-expert storage of `parity` and `model` (default: the preset's). Build the CuTe library first (python -m cute_bridge.build) and take
+# routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
+# (--set full) of the three Pallas mla_decode kernels at a short and a long context (the report
+# is the log): what bounds the attention kernel before another variant is built. Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -78,7 +80,11 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles)"; exit 2 ;;
+    ncu-mla)  for case in ctx1024_b1 ctx32768_b8; do
+                run_phase "ncu-mla-$case" 150 ncu --set full -k "regex:mla_" -c 3 python benchmarks/ncu_op.py \
+                  --op mla_decode --case "$case" --impl pallas --calls 0
+              done ;;
+    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles ncu-mla)"; exit 2 ;;
   esac
 done
 
