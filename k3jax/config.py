@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 LayerKind = Literal["kda", "mla"]
 ExpertFormat = Literal["bf16", "mxfp4"]
 ExpertLayout = Literal["rows", "tiles"]      # MXFP4 experts' byte order (k3jax.mxfp4.to_tiles)
 # The CLIs' expert choice (--experts / --expert-format(s)): a format, or MXFP4 stored in tiles.
-EXPERT_CHOICES = ("bf16", "mxfp4", "mxfp4-tiles")
+EXPERT_CHOICES = (*get_args(ExpertFormat), "mxfp4-tiles")
 
 # Fields a Hugging Face config carries that do not change the text decoder's math.
 _HF_BOILERPLATE = frozenset({
@@ -257,7 +257,7 @@ class K3Config:
         need(self.hidden_act in ("situ", "silu"), "hidden_act", f"must be 'situ' or 'silu', got {self.hidden_act!r}")
         need(self.moe_router_activation_func in ("sigmoid", "softmax"), "moe_router_activation_func",
              f"must be 'sigmoid' or 'softmax', got {self.moe_router_activation_func!r}")
-        need(self.expert_format in ("bf16", "mxfp4"), "expert_format", f"unknown {self.expert_format!r}")
+        need(self.expert_format in get_args(ExpertFormat), "expert_format", f"unknown {self.expert_format!r}")
         if self.num_experts:
             need(0 < self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
                  f"must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_token}")
@@ -274,7 +274,8 @@ class K3Config:
                 need(self.num_experts_per_token <= self.topk_group * group, "num_experts_per_token",
                      f"{self.num_experts_per_token} exceeds the {self.topk_group * group} experts of the "
                      f"topk_group={self.topk_group} groups a token may use")
-        need(self.expert_layout in ("rows", "tiles"), "expert_layout", f"unknown {self.expert_layout!r} (rows or tiles)")
+        need(self.expert_layout in get_args(ExpertLayout), "expert_layout",
+             f"unknown {self.expert_layout!r} ({' or '.join(get_args(ExpertLayout))})")
         if self.expert_format == "mxfp4":
             for f in ("moe_hidden_size", "moe_intermediate_size"):
                 need(getattr(self, f) % 32 == 0, f, f"must be a multiple of 32 for MXFP4 experts, got {getattr(self, f)}")
