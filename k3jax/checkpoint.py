@@ -638,6 +638,8 @@ def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False)
             ckptr.wait_until_finished()
         meta = {"hf_config": hf_config, "dtype": jnp.dtype(model.dtype).name,
                 "expert_format": model.cfg.expert_format, "expert_layout": model.cfg.expert_layout}
+        if model.cfg.expert_layout == "tiles":
+            meta["expert_tile_version"] = mxfp4.TILE_VERSION
         write_text(os.path.join(tmp, "k3jax.json"), json.dumps(meta, indent=2))
         _replace_dir(tmp, out_dir)
     except BaseException:
@@ -671,6 +673,11 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
                            expert_format=meta["expert_format"])
     # The arrays in state/ are stored as they were in memory: rows (older checkpoints) or tiles.
     cfg = cfg.replace(expert_layout=meta.get("expert_layout", "rows"))
+    version = meta.get("expert_tile_version", 1)
+    if cfg.expert_layout == "tiles" and version != mxfp4.TILE_VERSION:
+        raise CheckpointError(f"{path}: its MXFP4 experts are stored in tile image version {version}; this k3jax "
+                              f"reads version {mxfp4.TILE_VERSION} (k3jax.mxfp4.to_tiles). Re-create it from the "
+                              f"Hugging Face checkpoint: load(..., expert_layout='tiles'), then save_orbax")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     for p, var in flat:

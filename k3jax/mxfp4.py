@@ -106,6 +106,7 @@ def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.A
 
 TILE_ROWS = 64       # output rows per tile
 TILE_COLS = 128      # inputs per tile: 64 code bytes and 4 scale bytes per row
+TILE_VERSION = 2     # of `to_tiles`' image, recorded with stored tiles; 1 held the codes in byte order
 
 
 def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
