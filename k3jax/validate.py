@@ -118,7 +118,9 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
     sizes = sizes or ({"small", "k3"} if on_gpu else {"small"})
     specs = registry.specs()
     results, not_run = [], []
-    for op in known(ops, REFERENCES, "op(s)") if ops else list(REFERENCES):      # all named before any runs
+    ops = known(ops, REFERENCES, "op(s)") if ops else list(REFERENCES)      # all named before any runs
+    width = max((len(c.name) for op in ops if op in specs for c in specs[op].sweep(*sizes)), default=0)
+    for op in ops:
         fn = registry.implementation(op, backend)
         if fn is None or op not in specs:
             log(f"{op:14s} no {backend} kernel (falls back to XLA)")
@@ -130,7 +132,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
                 continue
             r = check_case(spec, backend, fn, case, repeats=repeats)
             results.append(r)
-            log(f"{op:14s} {case.name:28s} err {r.error:.2e} / tol {r.tolerance:.1e}  "
+            log(f"{op:14s} {case.name:{width}s} err {r.error:.2e} / tol {r.tolerance:.1e}  "
                 f"det {'yes' if r.deterministic else 'NO '}  races {r.races}  "
                 f"{'PASS' if r.passed else 'FAIL'} {r.note}{_per_output(r)}")
     if not_run:
