@@ -31,7 +31,10 @@ cache, 1152 B per token per sequence).
    meanwhile, extends those maxima with its scores and hands its own p and maxima back before its
    PV steps (the handed p read from SMEM, its own from registers); consumer 0 then rescales o and
    adds the handed p @ its half. Two one-way hand-offs per two tiles; each consumer sums l over
-   the tiles it scored, and the two sums are added at the end. Per tile and block that is 2176
+   the tiles it scored, and the two sums are added at the end. "seesaw_overlap" (FlashMLA waits
+   with its own MMA queued): consumer 1 computes and hands over its p while the handed p's wgmma
+   runs, and consumer 0 waits for that hand-off while its own PV wgmma runs (`_pv_while`; its
+   own p is then read from SMEM). Per tile and block that is 2176
    instead of 3328 tensor-core clocks and ~2300 instead of ~3300 clocks of SMEM reads and writes
    (estimates, assuming SMEM serves wgmma operands at 128 B a clock: a QK step's [64, 16] q_lat
    and [64, 16] cache slices then take as many SMEM clocks as MMA clocks, so "both" would be as
@@ -87,8 +90,8 @@ MAX_N = 256         # expansion: most batch rows (wgmma N)
 STAGES = 2          # 2 x 72 KB of cache tiles + 72 KB of q: 216 of the 227 KB of SMEM
 LOG2E = math.log2(math.e)
 MASKED = -1e30      # finite: a fully masked tile must not make exp2(m_old - m_new) NaN
-SCHEDULES = ("both", "seesaw")
-SCHEDULE = "both"   # mla_decode's default: who scores which tile in `_attend` (module docstring)
+SCHEDULES = ("both", "seesaw", "seesaw_overlap")
+SCHEDULE = "both"   # mla_decode's default: who scores which tile in `_attend`, and when (module docstring)
 f32 = jnp.float32
 
 
@@ -206,6 +209,27 @@ def _pv(acc, p, v_ref, interpret: bool):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
 
 
+def _pv_while(acc, p, v_ref, work, init, interpret: bool):
+    """(acc + p @ v_ref, work()'s results) with work - register math, SMEM stores, barrier
+    signals and waits - run while the wgmma is in flight (`_pv` waits for it first). init: values
+    shaped like work's results (row vectors), their state in the compiled path."""
+    if not interpret:
+        def body(refs):
+            acc_ref, *out_refs = refs
+            plgpu.wgmma(acc_ref, p, v_ref)
+            for ref, value in zip(out_refs, work()):
+                ref[...] = value
+        acc, *outs = pl.run_state(body)((plgpu.ACC.init(acc), *init))
+        return acc, tuple(outs)
+
+    def scoped(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_ref)
+        outs = work()
+        return acc_ref[...], tuple(outs)
+    pv, outs = pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
+    return acc + pv, outs
+
+
 def _rows(x, like):
     """Per-row values x [64] broadcast to like's shape [64, T]."""
     return jax.lax.broadcast_in_dim(x, like.shape, [0])
@@ -214,8 +238,9 @@ def _rows(x, like):
 def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, schedule: str = "both"):
     """q_lat [Bq, Hp, C], q_rope [Bq, Hp, R] bf16 (Hp % 64 == 0, Bq >= B) -> o [S, B, Hp, C] bf16
     (per split: sum_t 2^(s_t - m) latent_t / l), m, l [S, B, Hp] float32 (the split's max score,
-    base 2, and sum_t 2^(s_t - m)). schedule: "both" (each consumer scores every tile) or
-    "seesaw" (consumer w scores the tiles t % 2 == w and hands p to the other; module docstring)."""
+    base 2, and sum_t 2^(s_t - m)). schedule: "both" (each consumer scores every tile), "seesaw"
+    (consumer w scores the tiles t % 2 == w and hands p to the other) or "seesaw_overlap" (the
+    seesaw with its hand-offs made and awaited while a wgmma runs); module docstring."""
     hp, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
     b, length = latent.shape[:2]
@@ -224,7 +249,8 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
     half = c // 2
     interpret = mgpu.interpret_params()
     staged = interpret is not None      # no register A operand in interpret mode: p is read from SMEM
-    seesaw = schedule == "seesaw"
+    seesaw = schedule.startswith("seesaw")
+    overlap = schedule == "seesaw_overlap"
     assert not seesaw or STAGES == 2, "the seesaw keeps tile t in slot t % 2, scored by consumer t % 2"
     tf = _tf(64)
     row_vector = plgpu.Layout.WGMMA.reduce(1)
@@ -342,33 +368,57 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
             alpha = jnp.exp2(m_i - m_new)
             return handed(acc * _rows(alpha, acc)), m_new, l_i * alpha
 
-        def scored(first: bool, t, valid, carry):
+        def scored(first: bool, t, valid, carry, then_take: bool = False):
             """seesaw: this consumer scores tile t (in its slot). Unless it scores `first` in the
             pair, it first takes the other's hand-off of tile t - 1 and extends its row maxima.
-            The new maxima and p are handed over before this consumer's PV steps."""
+            The new maxima and p are handed over before this consumer's PV steps; `then_take`:
+            afterwards it takes the other's tile (consumer 0 in a full pair). "seesaw_overlap":
+            the handed-over PV runs while this consumer computes and hands over its own p, and
+            consumer 0's own PV while it waits for the other's hand-off."""
             acc, m_i, l_i = carry
             wait_tile(mine, (0, 1), rope=True)
             s = scores(mine, t, valid)
             m_ref = m_i if first else receive()         # the maxima these scores extend
-            m_new = jnp.maximum(m_ref, s.max(axis=1))
-            p = jnp.exp2(s - _rows(m_new, s))
-            kr_smem.at[mine][...] = p.astype(kr_smem.dtype)     # the tile's k_rope is spent
-            row_smem.at[mine][...] = m_new
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(handoff_bar.at[mine])
+
+            def hand_over():
+                m_new = jnp.maximum(m_ref, s.max(axis=1))
+                p = jnp.exp2(s - _rows(m_new, s))
+                kr_smem.at[mine][...] = p.astype(kr_smem.dtype)     # the tile's k_rope is spent
+                row_smem.at[mine][...] = m_new
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(handoff_bar.at[mine])
+                return m_new, p.sum(axis=1), p.astype(kr_smem.dtype)
+
             if not first:
-                acc = handed(acc * _rows(jnp.exp2(m_i - m_ref), acc))
-            acc = _pv(acc * _rows(jnp.exp2(m_ref - m_new), acc),
-                      kr_smem.at[mine] if staged else p.astype(kr_smem.dtype), lat_smem.at[mine, mine], staged)
+                acc = acc * _rows(jnp.exp2(m_i - m_ref), acc)
+            if first or not overlap:
+                m_new, p_sum, p = hand_over()
+                if not first:
+                    acc = handed(acc)
+            else:           # own p is read back from SMEM: it cannot leave the overlapped scope
+                acc, (m_new, p_sum) = _pv_while(acc, kr_smem.at[theirs], lat_smem.at[theirs, mine],
+                                                lambda: hand_over()[:2], (m_ref, l_i), staged)
+                plgpu.barrier_arrive(free_bar.at[2 * theirs + mine])
+                p = kr_smem.at[mine]
+            p = kr_smem.at[mine] if staged else p
+            acc = acc * _rows(jnp.exp2(m_ref - m_new), acc)
+            l_i = l_i * jnp.exp2(m_i - m_new) + p_sum
+            if then_take and overlap:
+                acc, (m_next,) = _pv_while(acc, p, lat_smem.at[mine, mine], lambda: (receive(),), (m_new,), staged)
+                plgpu.barrier_arrive(free_bar.at[3 * mine])
+                alpha = jnp.exp2(m_new - m_next)
+                return handed(acc * _rows(alpha, acc)), m_next, l_i * alpha
+            acc = _pv(acc, p, lat_smem.at[mine, mine], staged)
             plgpu.barrier_arrive(free_bar.at[3 * mine])          # index 2 slot + half, both = mine
-            return acc, m_new, l_i * jnp.exp2(m_i - m_new) + p.sum(axis=1)
+            return taken((acc, m_new, l_i)) if then_take else (acc, m_new, l_i)
 
         def seesaw_tiles(w, valid, carry):
-            """schedule "seesaw": pairs of tiles (2 i in slot 0, scored by consumer 0; 2 i + 1 in
-            slot 1, by consumer 1), then an odd last tile (scored by consumer 0)."""
+            """schedule "seesaw(_overlap)": pairs of tiles (2 i in slot 0, scored by consumer 0;
+            2 i + 1 in slot 1, by consumer 1), then an odd last tile (scored by consumer 0)."""
             live = live_steps(valid)
             if w == 0:
-                carry = jax.lax.fori_loop(0, live // 2, lambda i, c: taken(scored(True, 2 * i, valid, c)), carry)
+                carry = jax.lax.fori_loop(0, live // 2, lambda i, c: scored(True, 2 * i, valid, c, then_take=True),
+                                          carry)
                 return jax.lax.fori_loop(0, live % 2, lambda i, c: scored(True, live - 1, valid, c), carry)
             carry = jax.lax.fori_loop(0, live // 2, lambda i, c: scored(False, 2 * i + 1, valid, c), carry)
             return jax.lax.fori_loop(0, live % 2, lambda i, c: taken(c), carry)
@@ -472,7 +522,7 @@ def _combine(o, m, l):
 def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, schedule: str | None = None,
                splits: int | None = None):
     """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. Ablation knobs of the
-    attention kernel: schedule "both" or "seesaw" (default `SCHEDULE`; module docstring), splits
+    attention kernel: schedule, one of `SCHEDULES` (default `SCHEDULE`; module docstring), splits
     of the sequence (default `plan`'s; must divide its 64-token tiles)."""
     schedule = schedule or SCHEDULE
     if schedule not in SCHEDULES:
@@ -530,11 +580,13 @@ def _make(b: int, h: int, n: int, r: int, c: int, v: int, length: int, lens=None
 
 
 def cases() -> list[registry.Case]:
-    """Each case runs both schedules (`_seesaw` names the second); the plan's splits give small
-    caches one tile a split, so `splits` 1 / 2 cases put several (pairs, odd tails) in one."""
+    """Each case runs every schedule (named by a `_seesaw` / `_seesaw_overlap` suffix); the plan's
+    splits give small caches one tile a split, so `splits` 1 / 2 cases put several (pairs, odd
+    tails) in one."""
     def case(name, b, h, n, r, c, v, length, lens=None, sizes=frozenset({"small"}), **kernel):
-        return [registry.Case(name + ("_seesaw" if schedule == "seesaw" else ""), _make(b, h, n, r, c, v, length, lens),
-                              (("scale", (n + r) ** -0.5),), batch=b, sizes=sizes,
+        return [registry.Case(name + ("" if schedule == "both" else "_" + schedule),
+                              _make(b, h, n, r, c, v, length, lens), (("scale", (n + r) ** -0.5),),
+                              batch=b, sizes=sizes,
                               kernel_kwargs=tuple(kernel.items()) + (("schedule", schedule),))
                 for schedule in SCHEDULES]
     lens = [384, 257, 130, 1]       # per split of 3 tiles: 3 + 3, 3 + 2, 3 + 0, 1 + 0 live tiles

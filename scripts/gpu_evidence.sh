@@ -21,8 +21,9 @@
 # routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
 # (--set full) of the Pallas mla_decode kernels at a short and a long context, and the seesaw
 # schedule at the long one (the report is the log): what bounds the attention kernel. `seesaw`: the
-# mla_decode attention kernel's two schedules ("both" consumers score every tile vs the seesaw)
-# - the seesaw's GPU tests, then both timed case by case (the `_seesaw` case follows its twin). Build the CuTe library first (python -m cute_bridge.build) and take
+# mla_decode attention kernel's schedules ("both" consumers score every tile; the seesaw, plain and
+# with its waits overlapped by in-flight wgmmas) - the seesaws' GPU tests, then all three timed
+# case by case (the `_seesaw` and `_seesaw_overlap` cases follow their twin). Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -82,10 +83,11 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    seesaw)   run_phase seesaw-tests 150 env K3JAX_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_pallas_mla_decode.py \
-                -k "seesaw and (ctx1024_b1 or ctx1024_b32 or ctx4096_b8 or ctx32768_b8)"
-              run_phase seesaw-ops 270 python -m k3jax.bench --ops mla_decode --backends pallas --batches 1,8,32 \
-                --cases 'ctx(1024_b(1|32)|4096_b(8|32)|32768_b(1|8))(_seesaw)?$' --no-progress --out "$OUT/seesaw-ops.json" ;;
+    seesaw)   run_phase seesaw-tests 200 env K3JAX_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_pallas_mla_decode.py \
+                -k "seesaw and (ctx1024_b32 or ctx4096_b8 or ctx32768_b8)"
+              run_phase seesaw-ops 340 python -m k3jax.bench --ops mla_decode --backends pallas --batches 1,8,32 \
+                --cases 'ctx(1024_b(1|32)|4096_b32|32768_b(1|8))(_seesaw|_seesaw_overlap)?$' --no-progress \
+                --out "$OUT/seesaw-ops.json" ;;
     ncu-mla)  for case in ctx1024_b1 ctx32768_b8 ctx32768_b8_seesaw; do
                 run_phase "ncu-mla-$case" 150 ncu --set full -k "regex:mla_" -c 3 python benchmarks/ncu_op.py \
                   --op mla_decode --case "$case" --impl pallas --calls 0

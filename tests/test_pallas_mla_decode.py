@@ -1,7 +1,7 @@
 """The Pallas (Mosaic GPU) absorbed MLA decode attention against k3jax.ops.mla_decode: CPU
 interpret mode (race detection, NaN-poisoned memory; the three-warpgroup attention needs the 8
 host devices conftest.py sets, see pallas_kernels/mla_decode.py) over the sweep's cases, each in
-both attention schedules ("both", "seesaw"), the absorption / expansion kernels alone, CUDA
+every attention schedule ("both", "seesaw", "seesaw_overlap"), the absorption / expansion kernels alone, CUDA
 lowering export of the K3 shapes on CPU, and the real kernel on a GPU."""
 
 
@@ -50,7 +50,8 @@ def test_plan_divides_the_sequence(batch, length):
 
 
 @pytest.mark.parametrize("batch,length,schedule", [(1, 32768, "both"), (8, 4096, "both"), (128, 1024, "both"),
-                                                   (1, 32768, "seesaw"), (8, 4096, "seesaw")])
+                                                   (1, 32768, "seesaw"), (8, 4096, "seesaw"),
+                                                   (8, 4096, "seesaw_overlap")])
 def test_mla_decode_cuda_export(batch, length, schedule):
     """Lowers the real (compiled) kernel for CUDA at K3 shapes on this CPU machine."""
     avals = jax.eval_shape(mla._make(batch, *mla.K3.values(), length), jax.random.key(0))
