@@ -21,24 +21,7 @@ cache, 1152 B per token per sequence).
    masked by position < kv_len, online softmax in registers (base 2), then o[64, C/2] += p @
    latent[:, half] by wgmma. Heads are wgmma's M side, so H = 96 is two groups (the second half
    padding). A [64, 512] float32 o would need 256 registers a thread, hence the two consumers;
-   with schedule "both" (`SCHEDULE`, the default) each computes the full scores. Each C half of a
-   slot is refilled as soon as its readers are done with it (a free barrier per half).
-   Schedule "seesaw" (session 22, after FlashMLA's sm90 decode kernel; interpret-mode parity with
-   race detection and the CUDA export pass, not yet run on a GPU): consumer w scores only the
-   tiles t with t % 2 == w (tile t sits in slot t % 2), so every tile is scored once. Consumer 0
-   writes its p (bf16) into the tile's k_rope buffer, spent once scored, and its row maxima into
-   SMEM, and arrives on a one-way hand-off barrier; consumer 1, having scored the next tile
-   meanwhile, extends those maxima with its scores and hands its own p and maxima back before its
-   PV steps (the handed p read from SMEM, its own from registers); consumer 0 then rescales o and
-   adds the handed p @ its half. Two one-way hand-offs per two tiles; each consumer sums l over
-   the tiles it scored, and the two sums are added at the end. "seesaw_overlap" (FlashMLA waits
-   with its own MMA queued): consumer 1 computes and hands over its p while the handed p's wgmma
-   runs, and consumer 0 waits for that hand-off while its own PV wgmma runs (`_pv_while`; its
-   own p is then read from SMEM). Per tile and block that is 2176
-   instead of 3328 tensor-core clocks and ~2300 instead of ~3300 clocks of SMEM reads and writes
-   (estimates, assuming SMEM serves wgmma operands at 128 B a clock: a QK step's [64, 16] q_lat
-   and [64, 16] cache slices then take as many SMEM clocks as MMA clocks, so "both" would be as
-   much SMEM-bound as MMA-bound). Measured alternative (session 7): one consumer computes the
+   each computes the full scores. Measured alternative (session 7): one consumer computes the
    scores and hands p and the rescale factors to the other through SMEM (no recomputation; fits
    with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
    warpgroups. Split scores (sessions 19-20, not kept: commit cbc0902, patch in
@@ -46,8 +29,12 @@ cache, 1152 B per token per sequence).
    met twice a tile through a two-arrival barrier (their row maxima, then their halves of p in
    SMEM) and each ran PV over all 64 tokens for its C half: 1.33x the needed MMA work instead of
    2.04x, yet 1-5% slower on the H200 (ctx 32768 b8 193.8 vs 188.6 us, attention 176.9 vs 170.0):
-   the meetings cost more than the MMA clocks saved (its N = 32 QK steps read 1.5x the SMEM per
-   tensor clock, so SMEM traffic fell ~13%, not a third). Also session 19:
+   the MMA work is not what bounds the long contexts, the meetings cost more. Session 22's
+   seesaw (FlashMLA's schedule: consumer t % 2 scored tile t and handed p and its row maxima to
+   the other through the tile's spent k_rope buffer; 2176 instead of 3328 MMA clocks and ~30%
+   less SMEM traffic a tile), plain and with its hand-offs behind in-flight wgmmas: 0-16% and
+   10-19% slower (ctx 32768 b8 187.6 / 209.9 vs 188.8 us; patch in benchmarks/results/ab/), so
+   neither tensor-core nor SMEM throughput bounds the long contexts. Also session 19:
    FlashAttention-3's ping-pong (a two-arrival barrier twice per tile, so one consumer's softmax runs while the
    other's wgmmas hold the tensor cores) - 8-10% slower (ctx 4096 b32: 97.1 vs 89.6 us): not
    kept. Each block writes o / l rounded to bf16 and the running (max, sum).
@@ -69,7 +56,6 @@ inside the 2^-6 tolerance (`tolerance`).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -90,8 +76,6 @@ MAX_N = 256         # expansion: most batch rows (wgmma N)
 STAGES = 2          # 2 x 72 KB of cache tiles + 72 KB of q: 216 of the 227 KB of SMEM
 LOG2E = math.log2(math.e)
 MASKED = -1e30      # finite: a fully masked tile must not make exp2(m_old - m_new) NaN
-SCHEDULES = ("both", "seesaw", "seesaw_overlap")
-SCHEDULE = "both"   # mla_decode's default: who scores which tile in `_attend`, and when (module docstring)
 f32 = jnp.float32
 
 
@@ -195,52 +179,32 @@ def _absorb(q_nope, q_rope, w_kv_b, hp: int):
     )(q_nope, q_rope, w_kv_b)
 
 
-def _pv(acc, p, v_ref, interpret: bool):
-    """acc + p @ v_ref by wgmma (float32 [64, N]). p [64, T] bf16: an SMEM ref or, compiled
-    only, an array in registers (the wgmma's register A operand). Compiled, acc accumulates in
-    place; interpreted, a fresh accumulator is added. Returns once the wgmma is done: p's and
-    v_ref's SMEM may be reused then."""
-    if not interpret:
+def _softmax_update(s, m_i, m_new, l_i, acc):
+    """Online softmax (base 2) for scores s [64, T] under the new row maxima m_new (old: m_i) ->
+    (p [64, T], the running sum l rescaled plus p's rows, acc rescaled)."""
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+    return p, l_i * alpha + p.sum(axis=1), acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
+def _pv(acc, p, v_ref, p_smem):
+    """acc + p @ v_ref by wgmma. Compiled, p [64, T] (registers) is the wgmma's A operand and
+    acc accumulates in place; interpreted (no register A there), p goes through p_smem."""
+    if p_smem is None:
         return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
+    p_smem[...] = p
+    plgpu.commit_smem()
 
     def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_ref)
-        return acc_ref[...]
+        plgpu.wgmma(acc_ref, p_smem, v_ref)
+        return acc_ref[...]             # waits: p_smem is free for the next step
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
 
 
-def _pv_while(acc, p, v_ref, work, init, interpret: bool):
-    """(acc + p @ v_ref, work()'s results) with work - register math, SMEM stores, barrier
-    signals and waits - run while the wgmma is in flight (`_pv` waits for it first). init: values
-    shaped like work's results (row vectors), their state in the compiled path."""
-    if not interpret:
-        def body(refs):
-            acc_ref, *out_refs = refs
-            plgpu.wgmma(acc_ref, p, v_ref)
-            for ref, value in zip(out_refs, work()):
-                ref[...] = value
-        acc, *outs = pl.run_state(body)((plgpu.ACC.init(acc), *init))
-        return acc, tuple(outs)
-
-    def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_ref)
-        outs = work()
-        return acc_ref[...], tuple(outs)
-    pv, outs = pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
-    return acc + pv, outs
-
-
-def _rows(x, like):
-    """Per-row values x [64] broadcast to like's shape [64, T]."""
-    return jax.lax.broadcast_in_dim(x, like.shape, [0])
-
-
-def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, schedule: str = "both"):
+def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
     """q_lat [Bq, Hp, C], q_rope [Bq, Hp, R] bf16 (Hp % 64 == 0, Bq >= B) -> o [S, B, Hp, C] bf16
     (per split: sum_t 2^(s_t - m) latent_t / l), m, l [S, B, Hp] float32 (the split's max score,
-    base 2, and sum_t 2^(s_t - m)). schedule: "both" (each consumer scores every tile), "seesaw"
-    (consumer w scores the tiles t % 2 == w and hands p to the other) or "seesaw_overlap" (the
-    seesaw with its hand-offs made and awaited while a wgmma runs); module docstring."""
+    base 2, and sum_t 2^(s_t - m))."""
     hp, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
     b, length = latent.shape[:2]
@@ -248,18 +212,12 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
     steps = per // BLOCK_L
     half = c // 2
     interpret = mgpu.interpret_params()
-    staged = interpret is not None      # no register A operand in interpret mode: p is read from SMEM
-    seesaw = schedule.startswith("seesaw")
-    overlap = schedule == "seesaw_overlap"
-    assert not seesaw or STAGES == 2, "the seesaw keeps tile t in slot t % 2, scored by consumer t % 2"
     tf = _tf(64)
-    row_vector = plgpu.Layout.WGMMA.reduce(1)
 
     def mla_attend(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
-                   ql_smem, qr_smem, lat_smem, kr_smem, row_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar,
-                   handoff_bar, done_bar):
+                   ql_smem, qr_smem, lat_smem, kr_smem, ml_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar, done_bar):
         # C halves are separate SMEM arrays (index 0/1 = half): a TMA store needs a contiguous
-        # source, and each consumer stages its o half in one. lat_bar, free_bar: index 2 slot + half.
+        # source, and each consumer stages its o half in one.
         si, bi, gi = jax.lax.axis_index("s"), jax.lax.axis_index("b"), jax.lax.axis_index("g")
         wg = jax.lax.axis_index("wg")
         heads = pl.ds(gi * BLOCK_H, BLOCK_H)
@@ -280,12 +238,8 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
                 plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
             plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
 
-            def load(t, slot, refill: bool):
-                # A C half is refilled once its readers are done with it; k_rope (in the seesaw
-                # also the hand-off buffer of p) once both halves are.
+            def load(t, slot):
                 for j in range(2):
-                    if refill:
-                        plgpu.barrier_wait(free_bar.at[2 * slot + j])
                     plgpu.copy_gmem_to_smem(lat_gmem.at[bi, toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
                                             lat_bar.at[2 * slot + j])
                 plgpu.copy_gmem_to_smem(kr_gmem.at[bi, toks(t)], kr_smem.at[slot], kr_bar.at[slot])
@@ -293,176 +247,74 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
             for t in range(min(STAGES, steps)):
                 @pl.when(t < live)
                 def _(t=t):
-                    load(t, t, refill=False)
+                    load(t, t)
 
             @pl.loop(STAGES, jnp.maximum(live, STAGES))
             def _(t):
-                load(t, t % STAGES, refill=True)
+                slot = t % STAGES
+                plgpu.barrier_wait(free_bar.at[slot])     # both consumers are done with step t - STAGES
+                load(t, slot)
 
             # Observe the last tiles' releases too: the interpreter requires every waiter of a
             # barrier to have seen all its phases by the end (free on a GPU: the block ends here).
             @pl.loop(jnp.maximum(live - STAGES, 0), live)
             def _(t):
-                for j in range(2):
-                    plgpu.barrier_wait(free_bar.at[2 * (t % STAGES) + j])
+                plgpu.barrier_wait(free_bar.at[t % STAGES])
 
-        def wait_tile(slot, halves, rope: bool):
-            for j in halves:
-                plgpu.barrier_wait(lat_bar.at[2 * slot + j])
-            if rope:
-                plgpu.barrier_wait(kr_bar.at[slot])
-
-        def scores(slot, t, valid):
-            """[64 heads, 64 tokens] float32 (base 2) of tile t, in `slot`; tokens past kv_len masked."""
-            def qk(s_ref):
-                for j in range(2):
-                    plgpu.wgmma(s_ref, ql_smem.at[j], lat_smem.at[slot, j].transpose((1, 0)))
-                plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_L), f32)) * (scale * LOG2E)
-            pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
-            return jnp.where(pos + t * BLOCK_L < valid, s, MASKED)
-
-        def both_tiles(w, valid, carry):
-            """schedule "both": this consumer scores every live tile and accumulates o's C half w."""
-            def step(t, carry):
-                acc, m_i, l_i = carry
-                slot = t % STAGES
-                wait_tile(slot, (0, 1), rope=True)
-                s = scores(slot, t, valid)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - _rows(m_new, s))
-                p_a = p.astype(lat_smem.dtype)
-                if staged:
-                    p_smem.at[w][...] = p_a
-                    plgpu.commit_smem()
-                    p_a = p_smem.at[w]
-                acc = _pv(acc * _rows(alpha, acc), p_a, lat_smem.at[slot, w], staged)
-                for j in range(2):
-                    plgpu.barrier_arrive(free_bar.at[2 * slot + j])
-                return acc, m_new, l_i * alpha + p.sum(axis=1)
-            return jax.lax.fori_loop(0, live_steps(valid), step, carry)
-
-        # seesaw: consumer w scores the tiles in slot w and owns C half w. Ref indices are the
-        # traced `wg` (a wgmma accumulating in place cannot close over constant indices).
-        mine, theirs = wg, 1 - wg
-
-        def receive():
-            """seesaw: waits for the other consumer's hand-off of its tile (p in the tile's k_rope
-            buffer) -> the row maxima it scored that tile under."""
-            wait_tile(theirs, (mine,), rope=False)
-            plgpu.barrier_wait(handoff_bar.at[theirs])
-            return plgpu.load(row_smem.at[theirs], layout=row_vector)
-
-        def handed(acc):
-            """seesaw: acc + (the other consumer's p) @ this consumer's C half of the other's tile."""
-            acc = _pv(acc, kr_smem.at[theirs], lat_smem.at[theirs, mine], staged)
-            plgpu.barrier_arrive(free_bar.at[2 * theirs + mine])
-            return acc
-
-        def taken(carry):
-            """seesaw: the other consumer's tile, scored under maxima this consumer takes up."""
-            acc, m_i, l_i = carry
-            m_new = receive()
-            alpha = jnp.exp2(m_i - m_new)
-            return handed(acc * _rows(alpha, acc)), m_new, l_i * alpha
-
-        def scored(first: bool, t, valid, carry, then_take: bool = False):
-            """seesaw: this consumer scores tile t (in its slot). Unless it scores `first` in the
-            pair, it first takes the other's hand-off of tile t - 1 and extends its row maxima.
-            The new maxima and p are handed over before this consumer's PV steps; `then_take`:
-            afterwards it takes the other's tile (consumer 0 in a full pair). "seesaw_overlap":
-            the handed-over PV runs while this consumer computes and hands over its own p, and
-            consumer 0's own PV while it waits for the other's hand-off."""
-            acc, m_i, l_i = carry
-            wait_tile(mine, (0, 1), rope=True)
-            s = scores(mine, t, valid)
-            m_ref = m_i if first else receive()         # the maxima these scores extend
-
-            def hand_over():
-                m_new = jnp.maximum(m_ref, s.max(axis=1))
-                p = jnp.exp2(s - _rows(m_new, s))
-                kr_smem.at[mine][...] = p.astype(kr_smem.dtype)     # the tile's k_rope is spent
-                row_smem.at[mine][...] = m_new
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(handoff_bar.at[mine])
-                return m_new, p.sum(axis=1), p.astype(kr_smem.dtype)
-
-            if not first:
-                acc = acc * _rows(jnp.exp2(m_i - m_ref), acc)
-            if first or not overlap:
-                m_new, p_sum, p = hand_over()
-                if not first:
-                    acc = handed(acc)
-            else:           # own p is read back from SMEM: it cannot leave the overlapped scope
-                acc, (m_new, p_sum) = _pv_while(acc, kr_smem.at[theirs], lat_smem.at[theirs, mine],
-                                                lambda: hand_over()[:2], (m_ref, l_i), staged)
-                plgpu.barrier_arrive(free_bar.at[2 * theirs + mine])
-                p = kr_smem.at[mine]
-            p = kr_smem.at[mine] if staged else p
-            acc = acc * _rows(jnp.exp2(m_ref - m_new), acc)
-            l_i = l_i * jnp.exp2(m_i - m_new) + p_sum
-            if then_take and overlap:
-                acc, (m_next,) = _pv_while(acc, p, lat_smem.at[mine, mine], lambda: (receive(),), (m_new,), staged)
-                plgpu.barrier_arrive(free_bar.at[3 * mine])
-                alpha = jnp.exp2(m_new - m_next)
-                return handed(acc * _rows(alpha, acc)), m_next, l_i * alpha
-            acc = _pv(acc, p, lat_smem.at[mine, mine], staged)
-            plgpu.barrier_arrive(free_bar.at[3 * mine])          # index 2 slot + half, both = mine
-            return taken((acc, m_new, l_i)) if then_take else (acc, m_new, l_i)
-
-        def seesaw_tiles(w, valid, carry):
-            """schedule "seesaw(_overlap)": pairs of tiles (2 i in slot 0, scored by consumer 0;
-            2 i + 1 in slot 1, by consumer 1), then an odd last tile (scored by consumer 0)."""
-            live = live_steps(valid)
-            if w == 0:
-                carry = jax.lax.fori_loop(0, live // 2, lambda i, c: scored(True, 2 * i, valid, c, then_take=True),
-                                          carry)
-                return jax.lax.fori_loop(0, live % 2, lambda i, c: scored(True, live - 1, valid, c), carry)
-            carry = jax.lax.fori_loop(0, live // 2, lambda i, c: scored(False, 2 * i + 1, valid, c), carry)
-            return jax.lax.fori_loop(0, live % 2, lambda i, c: taken(c), carry)
-
-        def consumer(w):
-            """Consumer w: o's C half w of this block's heads and split, then (m, l) by consumer 0."""
+        @pl.when(wg < 2)
+        def _consumer():
             plgpu.set_max_registers(232, action="increase")
             valid = valid_tokens()
             for j in range(3):
                 plgpu.barrier_wait(q_bar.at[j])
-            init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), row_vector),
-                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), row_vector))
-            acc, m_i, l_i = (seesaw_tiles if seesaw else both_tiles)(w, valid, init)
 
-            if seesaw:                  # each consumer summed the p of the tiles it scored
-                row_smem.at[2 + w][...] = l_i
+            def step(t, carry):
+                acc, m_i, l_i = carry
+                slot = t % STAGES
+                for j in range(2):
+                    plgpu.barrier_wait(lat_bar.at[2 * slot + j])
+                plgpu.barrier_wait(kr_bar.at[slot])
+
+                def qk(s_ref):
+                    for j in range(2):
+                        plgpu.wgmma(s_ref, ql_smem.at[j], lat_smem.at[slot, j].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_L), f32)) * (scale * LOG2E)
+                pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(pos + t * BLOCK_L < valid, s, MASKED)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                p, l_i, acc = _softmax_update(s, m_i, m_new, l_i, acc)
+                acc = _pv(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg],
+                          None if interpret is None else p_smem.at[wg])
+                plgpu.barrier_arrive(free_bar.at[slot])
+                return acc, m_new, l_i
+
+            init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
+                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
+            acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(valid), step, init)
+
             # Both consumers read every tile to the end: wait for both before staging o in one.
             plgpu.barrier_arrive(done_bar)
             plgpu.barrier_wait(done_bar)
-            if seesaw:
-                l_i = plgpu.load(row_smem.at[2], layout=row_vector) + plgpu.load(row_smem.at[3], layout=row_vector)
-            o_smem = lat_smem.at[0, w]
+            o_smem = lat_smem.at[0, wg]
             # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
-            o_smem[...] = (acc / _rows(jnp.maximum(l_i, 1e-30), acc)).astype(o_smem.dtype)
+            l_pos = jnp.maximum(l_i, 1e-30)
+            o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [0])).astype(o_smem.dtype)
 
-            @pl.when(w == 0)            # both consumers hold the same (m, l); one writes them
+            @pl.when(wg == 0)       # both consumers hold the same (m, l); one writes them
             def _():
-                row_smem.at[0][...] = m_i
-                row_smem.at[1][...] = l_i
+                ml_smem.at[0][...] = m_i
+                ml_smem.at[1][...] = l_i
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, heads, pl.ds(w * half, half)])
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, heads, pl.ds(wg * half, half)])
 
-            @pl.when(w == 0)
+            @pl.when(wg == 0)
             def _():
-                plgpu.copy_smem_to_gmem(row_smem.at[0], m_gmem.at[si, bi, heads])
-                plgpu.copy_smem_to_gmem(row_smem.at[1], l_gmem.at[si, bi, heads])
+                plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[si, bi, heads])
+                plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[si, bi, heads])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        if seesaw:                      # the two consumers run different code
-            for w in range(2):
-                pl.when(wg == w)(functools.partial(consumer, w))
-        else:
-            pl.when(wg < 2)(lambda: consumer(wg))
 
     return plgpu.kernel(
         mla_attend,
@@ -473,14 +325,11 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int, sc
             plgpu.SMEM((BLOCK_H, r), q_rope.dtype, transforms=tf),
             plgpu.SMEM((STAGES, 2, BLOCK_L, half), latent.dtype, transforms=tf),
             plgpu.SMEM((STAGES, BLOCK_L, r), k_rope.dtype, transforms=tf),
-            # Row vectors: the output's (m, l) staging; in the seesaw first the handed-over row
-            # maxima (index = slot) and the two consumers' sums (2 + consumer).
-            plgpu.SMEM((4, BLOCK_H), f32),
-            # p staged for the interpreter ("both"; compiled, p stays in registers).
-            plgpu.SMEM((2, BLOCK_H, BLOCK_L) if staged and not seesaw else (2, 8, 64), latent.dtype, transforms=tf),
+            plgpu.SMEM((2, BLOCK_H), f32),
+            # p in SMEM: staging in interpret mode only (compiled, p stays in registers).
+            plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype, transforms=tf),
             plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=2 * STAGES), plgpu.Barrier(num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=1 if seesaw else 2, num_barriers=2 * STAGES),
-            plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES), plgpu.Barrier(num_arrivals=2),
         ],
         grid=(hp // BLOCK_H, b, splits), grid_names=("g", "b", "s"),
         num_threads=3, thread_name="wg",
@@ -519,14 +368,9 @@ def _combine(o, m, l):
     return (wgt[..., None] * o.astype(f32)).sum(0) / wgt.sum(0)[..., None]
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, schedule: str | None = None,
-               splits: int | None = None):
-    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. Ablation knobs of the
-    attention kernel: schedule, one of `SCHEDULES` (default `SCHEDULE`; module docstring), splits
-    of the sequence (default `plan`'s; must divide its 64-token tiles)."""
-    schedule = schedule or SCHEDULE
-    if schedule not in SCHEDULES:
-        raise ValueError(f"mla_decode: schedule={schedule!r}, expected one of {SCHEDULES}")
+def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits: int | None = None):
+    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. splits: of the sequence
+    in the attention kernel (default `plan`'s; must divide its 64-token tiles), an ablation knob."""
     if not covers(latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
@@ -548,7 +392,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, schedul
         splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms())
     elif splits < 1 or tiles % splits:
         raise ValueError(f"mla_decode: splits={splits} does not divide the cache's {tiles} tiles of {BLOCK_L} tokens")
-    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits, schedule)
+    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
     o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):
@@ -580,26 +424,22 @@ def _make(b: int, h: int, n: int, r: int, c: int, v: int, length: int, lens=None
 
 
 def cases() -> list[registry.Case]:
-    """Each case runs every schedule (named by a `_seesaw` / `_seesaw_overlap` suffix); the plan's
-    splits give small caches one tile a split, so `splits` 1 / 2 cases put several (pairs, odd
-    tails) in one."""
+    """The plan's splits give small caches one tile a split: the `splits` 1 / 2 cases put several
+    in one (and splits wholly past kv_len)."""
     def case(name, b, h, n, r, c, v, length, lens=None, sizes=frozenset({"small"}), **kernel):
-        return [registry.Case(name + ("" if schedule == "both" else "_" + schedule),
-                              _make(b, h, n, r, c, v, length, lens), (("scale", (n + r) ** -0.5),),
-                              batch=b, sizes=sizes,
-                              kernel_kwargs=tuple(kernel.items()) + (("schedule", schedule),))
-                for schedule in SCHEDULES]
+        return registry.Case(name, _make(b, h, n, r, c, v, length, lens),
+                             (("scale", (n + r) ** -0.5),), batch=b, sizes=sizes, kernel_kwargs=tuple(kernel.items()))
     lens = [384, 257, 130, 1]       # per split of 3 tiles: 3 + 3, 3 + 2, 3 + 0, 1 + 0 live tiles
-    small = [*case("b2_h8_c128_l128", 2, 8, 32, 64, 128, 32, 128),
-             *case("b1_h96_c256_l256_full", 1, 96, 64, 64, 256, 64, 256, lens=[256]),
-             *case("b3_h70_c128_l192_v64", 3, 70, 16, 64, 128, 64, 192, lens=[1, 65, 192]),
-             *case("b4_h8_c128_l384_one_split", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=1),
-             *case("b4_h8_c128_l384_two_splits", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=2),
-             *case("fallback_l100", 2, 4, 16, 16, 128, 16, 100)[:1]]     # the reference runs: one suffices
-    k3 = [c for ctx in K3_CONTEXTS for bb in BENCH_BATCHES if bb * ctx <= 32 * 32768
-          for c in case(f"ctx{ctx}_b{bb}", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}))]
+    small = [case("b2_h8_c128_l128", 2, 8, 32, 64, 128, 32, 128),
+             case("b1_h96_c256_l256_full", 1, 96, 64, 64, 256, 64, 256, lens=[256]),
+             case("b3_h70_c128_l192_v64", 3, 70, 16, 64, 128, 64, 192, lens=[1, 65, 192]),
+             case("b4_h8_c128_l384_one_split", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=1),
+             case("b4_h8_c128_l384_two_splits", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=2),
+             case("fallback_l100", 2, 4, 16, 16, 128, 16, 100)]
+    k3 = [case(f"ctx{ctx}_b{bb}", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}))
+          for ctx in K3_CONTEXTS for bb in BENCH_BATCHES if bb * ctx <= 32 * 32768]
     # Sequences of random lengths in one cache (the tiles past each kv_len are skipped).
-    k3 += case("ctx4096_b8_ragged", 8, *K3.values(), 4096, sizes=frozenset({"k3"}))
+    k3.append(case("ctx4096_b8_ragged", 8, *K3.values(), 4096, sizes=frozenset({"k3"})))
     return small + k3
 
 

@@ -3,10 +3,10 @@
 # whole-model backend parity, whole-step timings.
 #
 #   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]
-#   phases: validate ops parity model large bisect | torch kimi contexts | tiles | seesaw | ncu-mla
+#   phases: validate ops parity model large bisect | torch kimi contexts | tiles | ncu-mla
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
-# `torch kimi contexts`, `tiles`, `seesaw` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
+# `torch kimi contexts`, `tiles` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
 # MXFP4 expert kernels in row order and in tiles (expert_layout="tiles") - their GPU tests (both
 # orders: session 21 changed the decode factor of both), the MoE op in row vs tile order, and the step at BATCHES with --expert-formats mxfp4,mxfp4-tiles. `torch` times the PyTorch
 # reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
@@ -19,11 +19,9 @@
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
 # OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-tiles) the
 # routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
-# (--set full) of the Pallas mla_decode kernels at a short and a long context, and the seesaw
-# schedule at the long one (the report is the log): what bounds the attention kernel. `seesaw`: the
-# mla_decode attention kernel's schedules ("both" consumers score every tile; the seesaw, plain and
-# with its waits overlapped by in-flight wgmmas) - the seesaws' GPU tests, then all three timed
-# case by case (the `_seesaw` and `_seesaw_overlap` cases follow their twin). Build the CuTe library first (python -m cute_bridge.build) and take
+# (--set full) of the Pallas mla_decode attention kernel at a short and a long context (the report
+# is the log): what bounds the attention kernel (session 22: every ncu launch segfaulted on the
+# device after a first "Failed to profile"; not resolved). Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -83,16 +81,12 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    seesaw)   run_phase seesaw-tests 200 env K3JAX_GPU_TESTS=1 python -m pytest -q -m gpu tests/test_pallas_mla_decode.py \
-                -k "seesaw and (ctx1024_b32 or ctx4096_b8 or ctx32768_b8)"
-              run_phase seesaw-ops 340 python -m k3jax.bench --ops mla_decode --backends pallas --batches 1,8,32 \
-                --cases 'ctx(1024_b(1|32)|4096_b32|32768_b(1|8))(_seesaw|_seesaw_overlap)?$' --no-progress \
-                --out "$OUT/seesaw-ops.json" ;;
-    ncu-mla)  for case in ctx1024_b1 ctx32768_b8 ctx32768_b8_seesaw; do
-                run_phase "ncu-mla-$case" 150 ncu --set full -k "regex:mla_" -c 3 python benchmarks/ncu_op.py \
+    ncu-mla)  for case in ctx1024_b1 ctx32768_b8; do
+                run_phase "ncu-mla-$case" 150 env PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false \
+                  ncu --set full -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py \
                   --op mla_decode --case "$case" --impl pallas --calls 0
               done ;;
-    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles seesaw ncu-mla)"; exit 2 ;;
+    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles ncu-mla)"; exit 2 ;;
   esac
 done
 
