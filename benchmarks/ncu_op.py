@@ -14,11 +14,15 @@ custom calls): cases with GBs of weights (k3_e448) replay slowly; prefer applica
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import jax
 
-from k3jax.cli import at_least, known, run_cli
-from pallas_kernels import registry
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run as a script
+
+from k3jax.cli import at_least, known, run_cli  # noqa: E402
+from pallas_kernels import registry  # noqa: E402
 
 
 def main() -> int:

@@ -82,7 +82,7 @@ for phase in "${phases[@]}"; do
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
     ncu-mla)  for case in ctx1024_b1 ctx32768_b8; do
-                run_phase "ncu-mla-$case" 150 env PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false \
+                run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
                   ncu --set full -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py \
                   --op mla_decode --case "$case" --impl pallas --calls 0
               done ;;
