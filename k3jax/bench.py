@@ -1,7 +1,7 @@
 """Benchmarks: per-op kernels and whole-model decode steps, side by side; the report that tabulates them.
 
     python -m k3jax.bench --model --preset k3-h200 [--backends xla,pallas,cute] [--batches 1,8,64]
-                          [--contexts 1024,8192,32768] [--expert-formats mxfp4,bf16,mxfp4-tiles] [--mesh ep=2
+                          [--contexts 1024,8192,32768] [--expert-formats mxfp4-rows,mxfp4-tiles,bf16] [--mesh ep=2
                           --ep-variants allgather,ragged] [--out PATH]
     python -m k3jax.bench --ops [NAME ...] [--batches 1,8,32,128] [--backends xla,pallas] [--out PATH]
     python -m k3jax.bench --report benchmarks/results/*.json [--update docs/bench.md]
@@ -736,7 +736,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=None, help="default: --model xla,pallas,cute; --ops xla,pallas")
     p.add_argument("--granularities", default=",".join(GRANULARITIES))
     p.add_argument("--expert-formats", default=None,
-                   help="--model ablation, e.g. mxfp4,bf16 or mxfp4,mxfp4-tiles (MXFP4 stored in tiles; default: the preset's)")
+                   help="--model ablation, e.g. mxfp4,bf16 or mxfp4-rows,mxfp4-tiles (MXFP4 in row / tile order; mxfp4: the "
+                        "default layout, tiles where the widths allow; default: the preset's)")
     p.add_argument("--mesh", default=None, help="--model: device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variants", default="auto", help="--model with --mesh: expert dispatch variants to compare")
     p.add_argument("--ablate", action="append", default=[], metavar="OP=IMPL[,OP=IMPL]",

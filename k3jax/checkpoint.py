@@ -72,7 +72,7 @@ class Slot:
     kind: "plain" (same shape), "conv" (HF [P, 1, K]), "row" (HF [1, D]), "a_log" (HF padded
     [128k] for K3, (1, 1, H, 1) for Kimi-Linear), "expert" (one HF tensor per expert, stacked on
     axis 0 in NNX). tiles: "codes" / "scales" for MXFP4 expert tensors held in tile order
-    (cfg.expert_layout "tiles"; k3jax.mxfp4.to_tiles): row order on disk, tiled in memory.
+    (cfg.experts_in_tiles; k3jax.mxfp4.to_tiles): row order on disk, tiled in memory.
     """
     path: tuple
     shape: tuple[int, ...]          # NNX shape
@@ -119,7 +119,7 @@ def checkpoint_layout(cfg: K3Config, prefix: str) -> list[Slot]:
             leaf = f"weight_{m.group(2)}" if m.group(2) else "weight"
             names = tuple(f"{prefix}model.{base}.{e}.{m.group(1)}.{leaf}" for e in range(shape[0]))
             hf_shape, kind = shape[1:], "expert"
-            if m.group(2) and cfg.expert_layout == "tiles":
+            if m.group(2) and cfg.experts_in_tiles:
                 tiles = "codes" if m.group(2) == "packed" else "scales"
         else:
             name = prefix + "model." + _hf_suffix(path)
@@ -637,8 +637,9 @@ def save_orbax(model, out_dir: str, hf_config: dict, *, overwrite: bool = False)
             ckptr.save(os.path.join(tmp, "state"), nnx.state(model))
             ckptr.wait_until_finished()
         meta = {"hf_config": hf_config, "dtype": jnp.dtype(model.dtype).name,
-                "expert_format": model.cfg.expert_format, "expert_layout": model.cfg.expert_layout}
-        if model.cfg.expert_layout == "tiles":
+                "expert_format": model.cfg.expert_format,
+                "expert_layout": "tiles" if model.cfg.experts_in_tiles else "rows"}     # resolved: never "auto"
+        if model.cfg.experts_in_tiles:
             meta["expert_tile_version"] = mxfp4.TILE_VERSION
         write_text(os.path.join(tmp, "k3jax.json"), json.dumps(meta, indent=2))
         _replace_dir(tmp, out_dir)
@@ -674,10 +675,10 @@ def restore_orbax(path: str, *, sharding: ShardingSpec = None):
     # The arrays in state/ are stored as they were in memory: rows (older checkpoints) or tiles.
     cfg = cfg.replace(expert_layout=meta.get("expert_layout", "rows"))
     version = meta.get("expert_tile_version", 1)
-    if cfg.expert_layout == "tiles" and version != mxfp4.TILE_VERSION:
+    if cfg.experts_in_tiles and version != mxfp4.TILE_VERSION:
         raise CheckpointError(f"{path}: its MXFP4 experts are stored in tile image version {version}; this k3jax "
                               f"reads version {mxfp4.TILE_VERSION} (k3jax.mxfp4.to_tiles). Re-create it from the "
-                              f"Hugging Face checkpoint: load(..., expert_layout='tiles'), then save_orbax")
+                              f"Hugging Face checkpoint: load(...) (experts in tiles by default), then save_orbax")
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _model_cls()(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     for p, var in flat:

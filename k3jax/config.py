@@ -16,9 +16,12 @@ from typing import Any, Literal, get_args
 
 LayerKind = Literal["kda", "mla"]
 ExpertFormat = Literal["bf16", "mxfp4"]
-ExpertLayout = Literal["rows", "tiles"]      # MXFP4 experts' byte order (k3jax.mxfp4.to_tiles)
-# The CLIs' expert choice (--experts / --expert-format(s)): a format, or MXFP4 stored in tiles.
-EXPERT_CHOICES = (*get_args(ExpertFormat), "mxfp4-tiles")
+# MXFP4 experts' byte order in memory (k3jax.mxfp4.to_tiles); "auto": tiles where the widths allow.
+ExpertLayout = Literal["auto", "rows", "tiles"]
+# The CLIs' expert choice (--experts / --expert-format(s)): a format (MXFP4 in the "auto" layout),
+# or MXFP4 in a given layout.
+EXPERT_CHOICES = (*get_args(ExpertFormat), "mxfp4-rows", "mxfp4-tiles")
+TILE_MULTIPLE = 128     # expert widths (in and out) that tiles need: mxfp4.TILE_COLS, and a multiple of TILE_ROWS
 
 # Fields a Hugging Face config carries that do not change the text decoder's math.
 _HF_BOILERPLATE = frozenset({
@@ -93,8 +96,9 @@ class K3Config:
     max_position_embeddings: int = 1 << 20
     name: str = "custom"
     # Not in config.json: how MXFP4 experts are stored in memory ("tiles": mxfp4.to_tiles' order,
-    # what the CuTe / Pallas expert kernels stream best; checkpoints keep row order on disk).
-    expert_layout: ExpertLayout = "rows"
+    # what the CuTe / Pallas expert kernels stream best; "auto": tiles wherever the widths are
+    # multiples of TILE_MULTIPLE, as K3's are; checkpoints keep row order on disk).
+    expert_layout: ExpertLayout = "auto"
 
     # ----------------------------------------------------------------- derived
     @property
@@ -110,6 +114,15 @@ class K3Config:
     def moe_hidden_size(self) -> int:
         """Width the routed experts run at: the latent for K3, the hidden size otherwise."""
         return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def experts_in_tiles(self) -> bool:
+        """Whether the routed experts are held in tiles: expert_layout resolved ("auto": MXFP4
+        experts whose widths are multiples of TILE_MULTIPLE)."""
+        if self.expert_layout != "auto":
+            return self.expert_layout == "tiles"
+        return self.expert_format == "mxfp4" and all(
+            w % TILE_MULTIPLE == 0 for w in (self.moe_hidden_size, self.moe_intermediate_size))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -283,7 +296,7 @@ class K3Config:
             need(self.expert_format == "mxfp4", "expert_layout", "'tiles' is a layout of MXFP4 experts; these are "
                  f"{self.expert_format}")
             for f in ("moe_hidden_size", "moe_intermediate_size"):
-                need(getattr(self, f) % 128 == 0, f, f"must be a multiple of 128 for expert_layout='tiles', "
+                need(getattr(self, f) % TILE_MULTIPLE == 0, f, f"must be a multiple of {TILE_MULTIPLE} for expert_layout='tiles', "
                      f"got {getattr(self, f)}")
         if self.kda_gate_lower_bound is not None:
             need(self.kda_gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", "must be negative")
@@ -410,9 +423,12 @@ def expert_changes(choice: str | None) -> dict[str, str]:
         return {}
     if choice not in EXPERT_CHOICES:
         raise ConfigError(f"unknown expert choice {choice!r}; one of {', '.join(EXPERT_CHOICES)}")
-    return {"expert_format": "mxfp4", "expert_layout": "tiles"} if choice == "mxfp4-tiles" else {"expert_format": choice}
+    fmt, _, layout = choice.partition("-")
+    return {"expert_format": fmt, "expert_layout": layout or "auto"}
 
 
 def expert_label(cfg: K3Config) -> str:
-    """A config's experts as one of EXPERT_CHOICES."""
-    return "mxfp4-tiles" if cfg.expert_layout == "tiles" else cfg.expert_format
+    """A config's experts as the one of EXPERT_CHOICES that names them exactly (MXFP4 with its layout)."""
+    if cfg.expert_format != "mxfp4":
+        return cfg.expert_format
+    return "mxfp4-tiles" if cfg.experts_in_tiles else "mxfp4-rows"

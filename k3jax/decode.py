@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (overrides --preset)")
     src.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/weight dtype")
     src.add_argument("--experts", choices=EXPERT_CHOICES,
-                     help="routed-expert storage; mxfp4-tiles: MXFP4 in kernel tile order (default: the preset's)")
+                     help="routed-expert storage; mxfp4-rows / mxfp4-tiles: MXFP4 in row / kernel tile order "
+                          "(default: the preset's; MXFP4 in tiles where the widths allow)")
     src.add_argument("--seed", type=int, default=0, help="seed for random weights and sampling (default 0)")
     src.add_argument("--mesh", metavar="SPEC",
                      help="device mesh, e.g. ep=8 or ep=2,tp=2 or dp=2,ep=4 (dp/ep/tp = data/expert/tensor "

@@ -213,7 +213,7 @@ class RoutedExperts(nnx.Module):
 
     bf16: `w1`, `w2`, `w3`. MXFP4: `w*_packed` uint8 [E, out, in/2] and `w*_scale` uint8
     [E, out, in/32] in the checkpoint's packed layout (see k3jax.mxfp4), in row order or, with
-    cfg.expert_layout "tiles", in mxfp4.to_tiles' order (the same weights for the same seed).
+    cfg.experts_in_tiles (the default for K3's widths), in mxfp4.to_tiles' order (the same weights for the same seed).
     """
 
     def __init__(self, cfg: K3Config, *, dtype, rngs: nnx.Rngs):
@@ -223,7 +223,7 @@ class RoutedExperts(nnx.Module):
         for name, shape in shapes.items():
             if cfg.expert_format == "mxfp4":
                 packed, scale = mxfp4.random_packed(rngs.params(), shape)
-                if cfg.expert_layout == "tiles":
+                if cfg.experts_in_tiles:
                     packed, scale = mxfp4.to_tiles(packed), mxfp4.to_tiles(scale, scales=True)
                 setattr(self, f"{name}_packed", nnx.Param(packed))
                 setattr(self, f"{name}_scale", nnx.Param(scale))
@@ -235,7 +235,7 @@ class RoutedExperts(nnx.Module):
         if self.cfg.expert_format == "mxfp4":
             return ops.ExpertWeights(self.w1_packed[...], self.w3_packed[...], self.w2_packed[...],
                                      self.w1_scale[...], self.w3_scale[...], self.w2_scale[...],
-                                     tiled=self.cfg.expert_layout == "tiles")
+                                     tiled=self.cfg.experts_in_tiles)
         return ops.ExpertWeights(self.w1[...], self.w3[...], self.w2[...])
 
 

@@ -520,7 +520,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--expert-format", default=None, choices=EXPERT_CHOICES,
-                   help="mxfp4, bf16 or mxfp4-tiles (MXFP4 in kernel tile order; default: the preset's)")
+                   help="mxfp4, bf16, mxfp4-rows or mxfp4-tiles (MXFP4 in row / kernel tile order; default: the preset's)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variant", default="auto", help="with --mesh: expert dispatch variant")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile-...json)")

@@ -7,8 +7,8 @@
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
 # `torch kimi contexts`, `tiles` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
-# MXFP4 expert kernels in row order and in tiles (expert_layout="tiles") - their GPU tests (both
-# orders: session 21 changed the decode factor of both), the MoE op in row vs tile order, and the step at BATCHES with --expert-formats mxfp4,mxfp4-tiles. `torch` times the PyTorch
+# MXFP4 expert kernels in row order and in tiles (expert_layout "rows" / "tiles") - their GPU tests (both
+# orders: session 21 changed the decode factor of both), the MoE op in row vs tile order, and the step at BATCHES with --expert-formats mxfp4-rows,mxfp4-tiles. `torch` times the PyTorch
 # reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
 # TORCH_PRESET (default kimi-linear-48b-h200), `kimi` times k3jax on that same preset, `contexts`
 # times PRESET at batch 1 with 8k and 32k cached tokens, `large` at batch 128 and 256 (Pallas first). `bisect` runs the parity per op, to attribute a parity
@@ -17,7 +17,7 @@
 # short (the tools save partial results); the model phases also pass bench's --budget-s, so they
 # end on their own with the points left recorded as skipped. PRESET (default k3-h200), BATCHES (default 1,8) and
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
-# OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-tiles) the
+# OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-rows) the
 # routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
 # (--set full) of the Pallas mla_decode attention kernel at a short and a long context (the report
 # is the log): what bounds the attention kernel (session 22: every ncu launch segfaulted on the
@@ -79,7 +79,7 @@ for phase in "${phases[@]}"; do
               run_phase tiles-ops 120 python -m k3jax.bench --ops moe_experts --backends pallas,cute --batches 1,8 \
                 --cases 'k3_e448_(tiles_)?b[18]$' --no-progress --out "$OUT/tiles-ops.json"
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
-                --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4,mxfp4-tiles \
+                --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4-rows,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
     ncu-mla)  for case in ctx1024_b1 ctx32768_b8; do
                 run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \

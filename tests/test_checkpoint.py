@@ -388,13 +388,15 @@ def test_decode_cli_with_checkpoint_and_tiktoken(tmp_path, capsys):
 
 
 def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
-    """expert_layout="tiles": the checkpoint keeps row order on disk, memory holds mxfp4.to_tiles'
-    order, and the model computes the same logits; HF save and orbax save/restore round-trip."""
+    """Experts in tiles (the default where the widths are multiples of 128): the checkpoint keeps
+    row order on disk, memory holds mxfp4.to_tiles' order, and the model computes the same logits
+    as with expert_layout="rows"; HF save and orbax save/restore round-trip."""
     from k3jax import mxfp4
     hf = ckpt.synthetic_hf_config("k3-tiny")
     hf["text_config"].update(moe_intermediate_size=128, routed_expert_hidden_size=128)
     src = ckpt.write_hf_checkpoint(str(tmp_path / "src"), hf, ckpt.synthetic_entries(hf, 5))
-    rows, tiles = load(src, dtype="float32"), load(src, dtype="float32", expert_layout="tiles")
+    rows, tiles = load(src, dtype="float32", expert_layout="rows"), load(src, dtype="float32")
+    assert tiles.cfg.experts_in_tiles and not rows.cfg.experts_in_tiles
     a, b = rows.layers[1].block_sparse_moe.experts, tiles.layers[1].block_sparse_moe.experts
     np.testing.assert_array_equal(np.asarray(b.w2_packed[...]), np.asarray(mxfp4.to_tiles(a.w2_packed[...])))
     np.testing.assert_array_equal(np.asarray(b.w1_scale[...]), np.asarray(mxfp4.to_tiles(a.w1_scale[...], scales=True)))
@@ -415,3 +417,13 @@ def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(ckpt.CheckpointError, match="stored in tile image version 1; this k3jax reads version 2"):
         ckpt.restore_orbax(orb)
+    # a model in rows records them; an older checkpoint without the key restores as rows too
+    orb_rows = ckpt.save_orbax(rows, str(tmp_path / "orb_rows"), hf)
+    meta_path = os.path.join(orb_rows, "k3jax.json")
+    meta = json.load(open(meta_path))
+    assert meta["expert_layout"] == "rows" and "expert_tile_version" not in meta
+    del meta["expert_layout"]
+    json.dump(meta, open(meta_path, "w"))
+    restored, _ = ckpt.restore_orbax(orb_rows)
+    assert restored.cfg.expert_layout == "rows"
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(rows(ids)))

@@ -133,8 +133,19 @@ def test_mxfp4_needs_widths_multiple_of_32():
     assert get_preset("k3-tiny", expert_format="bf16", routed_expert_hidden_size=40).moe_hidden_size == 40
 
 
+def test_expert_layout_auto_is_tiles_where_the_widths_allow():
+    """"auto" (the default): tiles for MXFP4 experts whose widths are multiples of 128 (K3's), else rows."""
+    assert get_preset("k3-h200").experts_in_tiles and get_preset("k3-full").experts_in_tiles
+    assert get_preset("k3-small").experts_in_tiles                       # 512 x 512
+    assert not get_preset("k3-tiny").experts_in_tiles                    # 32 x 32
+    assert not get_preset("k3-tiny", moe_intermediate_size=128).experts_in_tiles      # latent 32
+    assert not get_preset("kimi-linear-48b").experts_in_tiles            # bf16
+    assert not get_preset("k3-h200", expert_format="bf16").experts_in_tiles
+    assert not get_preset("k3-h200", expert_layout="rows").experts_in_tiles
+
+
 def test_expert_layout_tiles_needs_mxfp4_and_128_multiples():
-    assert get_preset("k3-tiny").expert_layout == "rows"
+    assert get_preset("k3-tiny").expert_layout == "auto"
     cfg = get_preset("k3-tiny", expert_layout="tiles", moe_intermediate_size=128, routed_expert_hidden_size=256)
     assert cfg.expert_layout == "tiles"
     with pytest.raises(ConfigError, match="moe_hidden_size.*multiple of 128 for expert_layout='tiles'"):
@@ -147,11 +158,19 @@ def test_expert_layout_tiles_needs_mxfp4_and_128_multiples():
 
 def test_expert_choices_map_to_config_changes():
     from k3jax.config import expert_changes, expert_label
-    assert expert_changes(None) == {} and expert_changes("bf16") == {"expert_format": "bf16"}
+    assert expert_changes(None) == {} and expert_changes("bf16") == {"expert_format": "bf16", "expert_layout": "auto"}
+    assert expert_changes("mxfp4") == {"expert_format": "mxfp4", "expert_layout": "auto"}
+    assert expert_changes("mxfp4-rows") == {"expert_format": "mxfp4", "expert_layout": "rows"}
     changes = expert_changes("mxfp4-tiles")
     assert changes == {"expert_format": "mxfp4", "expert_layout": "tiles"}
     cfg = get_preset("k3-tiny", moe_intermediate_size=128, routed_expert_hidden_size=128, **changes)
-    assert expert_label(cfg) == "mxfp4-tiles" and expert_label(get_preset("k3-tiny")) == "mxfp4"
+    assert expert_label(cfg) == "mxfp4-tiles" and expert_label(get_preset("k3-tiny")) == "mxfp4-rows"
+    # a label names its experts exactly: it maps back to the same config
+    for preset in ("k3-small", "k3-tiny", "kimi-linear-tiny"):
+        label = expert_label(get_preset(preset))
+        assert expert_label(get_preset(preset, **expert_changes(label))) == label
+    # the bf16 choice on a preset whose MXFP4 experts default to tiles
+    assert expert_label(get_preset("k3-small", **expert_changes("bf16"))) == "bf16"
     with pytest.raises(ConfigError, match="unknown expert choice 'fp8'"):
         expert_changes("fp8")
 
