@@ -6,7 +6,7 @@
 #   phases: validate ops parity model large bisect | torch kimi contexts | tiles | ncu-mla
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
-# `torch kimi contexts`, `tiles` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
+# `torch kimi`, `contexts`, `tiles` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
 # MXFP4 expert kernels in row order and in tiles (expert_layout "rows" / "tiles") - their GPU tests (both
 # orders: session 21 changed the decode factor of both), the MoE op in row vs tile order, and the step at BATCHES with --expert-formats mxfp4-rows,mxfp4-tiles. `torch` times the PyTorch
 # reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
@@ -70,9 +70,9 @@ for phase in "${phases[@]}"; do
     kimi)     run_phase kimi 110 python -m k3jax.bench --model --preset "$TORCH_PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
                 --budget-s 80 --no-progress --out "$OUT/kimi.json" ;;
-    contexts) run_phase contexts 110 python -m k3jax.bench --model --preset "$PRESET" --batches 1 \
-                --contexts 8192,32768 --backends xla,pallas --granularities xla-ops,per-op --steps 16 \
-                --budget-s 80 --no-progress --out "$OUT/contexts.json" ;;
+    contexts) run_phase contexts 200 python -m k3jax.bench --model --preset "$PRESET" --batches 1 \
+                --contexts 8192,32768 --backends xla,pallas,cute --granularities xla-ops,per-op --steps 16 \
+                --budget-s 170 --no-progress --out "$OUT/contexts.json" ;;
     tiles)    run_phase tiles-tests 180 env K3JAX_GPU_TESTS=1 python -m pytest -q -m gpu \
                 -k "moe and not bf16 and not e896 and not b32 and not b64 and not b128 and not fallback" \
                 tests/test_cute_kernels.py tests/test_pallas_moe_experts.py
@@ -81,7 +81,12 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4-rows,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    ncu-mla)  for case in ctx1024_b1 ctx32768_b8; do
+    ncu-mla)  # First whether ncu profiles at all here: one XLA matmul, then one Mosaic GPU kernel (small case).
+              run_phase ncu-probe-xla 60 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -c 1 python -c \
+                "import jax.numpy as jnp; x = jnp.ones((512, 512)); print(float((x @ x)[0, 0]))"
+              run_phase ncu-probe-mosaic 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k "regex:mla_attend" -c 1 \
+                python benchmarks/ncu_op.py --op mla_decode --case b4_h8_c128_l384_one_split --impl pallas --calls 0
+              for case in ctx1024_b1 ctx32768_b8; do
                 run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
                   ncu --set full -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py \
                   --op mla_decode --case "$case" --impl pallas --calls 0
