@@ -6,7 +6,10 @@
 
 Builds the case's inputs (`pallas_kernels.registry`: the same random inputs as `k3jax.bench --ops`
 and `k3jax.validate`), compiles the implementation, runs it `--calls` times and prints the
-largest relative error against the reference, so a profile of wrong outputs does not go unnoticed.
+largest relative error against the reference (computed first), so a profile of wrong outputs does
+not go unnoticed, then leaves without interpreter teardown: on the H200, `ncu --set full` of a Mosaic
+GPU kernel profiled it, then the process segfaulted before ncu printed the report (session 24; a
+runner ending in os._exit got its report).
 Kernel replay saves and restores the memory a kernel can write before every pass (all of it for
 custom calls): cases with GBs of weights (k3_e448) replay slowly; prefer application replay there.
 """
@@ -44,15 +47,18 @@ def run(op: str, case_name: str, impl: str, calls: int) -> int:
     if call is None:
         raise ValueError(f"{op} has no {impl!r} implementation; it has {', '.join(registry.implementations(op))}")
     inputs = case.make(jax.random.key(0))
+    ref = jax.block_until_ready(jax.jit(lambda *a: spec.reference(*a, **case.kw))(*inputs))  # before profiling
     step = jax.jit(call)
     out = jax.block_until_ready(step(*inputs))
     for _ in range(calls):
         out = jax.block_until_ready(step(*inputs))
-    ref = jax.jit(lambda *a: spec.reference(*a, **case.kw))(*inputs)
     print(f"{op} {case.name} {impl}: {calls + 1} calls, error {spec.error(out, ref, inputs, case.kw):.2e} "
           f"(tolerance {spec.allowed(ref, inputs, case.kw):.2e})")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)    # no interpreter teardown: after ncu replays a Mosaic GPU kernel, that segfaulted (session 24)

@@ -21,6 +21,8 @@ Needs out % 64 == 0 and in % 128 == 0.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,29 @@ def pair_nibbles(packed, *, inverse: bool = False):
         first, second = b[..., 0], b[..., 1]
         out = xp.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=-2)
     return out.reshape(packed.shape)
+
+
+def tile_view(a, *, scales: bool = False):
+    """A tile-ordered weight_packed [..., out, in/2] (scales: weight_scale [..., out, in/32]) as the
+    tiles it holds, [..., out/64, in/128, 64 rows, 64 code bytes (scales: 4)]: a reshape, no copy."""
+    *lead, out, c = a.shape
+    per_tile_row = TILE_COLS // GROUP if scales else TILE_COLS // 2
+    return a.reshape(*lead, out // TILE_ROWS, c // per_tile_row, TILE_ROWS, per_tile_row)
+
+
+@functools.lru_cache(maxsize=None)
+def nibble_columns(width: int, tiled: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Which of `width` input columns the low and the high nibbles of a row's code bytes hold, in
+    byte order: (low, high), int32 [width / 2] each. Row order: the even and the odd columns;
+    tiles (each 128-column chunk's 64 bytes in `pair_nibbles`' order): read off pair_nibbles."""
+    cols = np.arange(width, dtype=np.int32)
+    if not tiled:
+        return cols[0::2], cols[1::2]
+    with jax.ensure_compile_time_eval():                         # constants, also when called under jit
+        word = pack_codes(np.arange(8, dtype=np.uint8))          # codes = their column in the word
+        paired = np.asarray(unpack_codes(pair_nibbles(np.asarray(word)))).reshape(-1, 2)  # [byte, low / high]
+    base = cols[::8, None]
+    return tuple((base + paired[:, h]).reshape(-1).astype(np.int32) for h in (0, 1))
 
 
 def to_tiles(a, *, scales: bool = False):

@@ -346,10 +346,14 @@ class ExpertWeights:
 
     def packed(self, ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """MXFP4 only: the experts `ids` [U] as (codes, scales) per matrix (w1, w3, w2), in row order."""
-        pairs = tuple((w[ids], s[ids]) for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
+        pairs = self._gathered(ids)
         if not self.tiled:
             return pairs
         return tuple((mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs)
+
+    def _gathered(self, ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """MXFP4: the experts `ids` [U] as stored, (codes, scales) per matrix (w1, w3, w2)."""
+        return tuple((w[ids], s[ids]) for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
 
     def gather(self, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Only the experts `ids` [U], dequantised to `dtype`: (w1, w3, w2)."""
@@ -358,10 +362,24 @@ class ExpertWeights:
         return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
 
     def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as its even and
-        odd input columns ((w1_even, w1_odd), (w3_even, w3_odd), (w2_even, w2_odd)), each
-        [U, out, in/2]: the low / high nibbles of the packed bytes, so nothing interleaves."""
-        return tuple(mxfp4.dequantize_halves(w, s, dtype) for w, s in self.packed(ids))
+        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as the input
+        columns its bytes' low and high nibbles hold (mxfp4.nibble_columns), ((w1_lo, w1_hi),
+        (w3_lo, w3_hi), (w2_lo, w2_hi)), each [U, out, in/2]: nothing interleaves; tiles are
+        dequantised in place and written out in row order (one fused pass, no untiling of bytes)."""
+        def halves(w, s):
+            if not self.tiled:
+                return mxfp4.dequantize_halves(w, s, dtype)
+            tiles = mxfp4.dequantize_halves(mxfp4.tile_view(w), mxfp4.tile_view(s, scales=True), dtype)
+            return tuple(h.swapaxes(-3, -2).reshape(w.shape) for h in tiles)  # [U, T, C, r, b] -> [U, T, r, C, b]
+
+        return tuple(halves(w, s) for w, s in self._gathered(ids))
+
+    def halves_matmul(self, x: jax.Array, halves: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """x [N, in] (every expert's input) or [U, N, in] (one per expert) times one matrix of the
+        gathered experts, as `gather_halves` returns it: -> [U, N, out] float32."""
+        spec = "uni,uoi->uno" if x.ndim == 3 else "ni,uoi->uno"
+        return sum(jnp.einsum(spec, x[..., cols], w, preferred_element_type=f32, precision=EXACT)
+                   for cols, w in zip(mxfp4.nibble_columns(x.shape[-1], self.tiled), halves))
 
 
 DENSE_DISPATCH_MAX_TOKENS = 64  # tokens per moe_experts chunk: each distinct expert runs on all of them
@@ -444,10 +462,8 @@ def _moe_token_chunk(z, ids, weights, experts: ExpertWeights, *, act: str, beta:
     uniq, coef = expert_dispatch(ids, weights, n_exp, n_chunks * chunk)
 
     def expert_dot(spec, x, w):
-        if experts.is_mxfp4:   # x @ w.T as even + odd input columns: no nibble interleave
-            even, odd = w
-            out = (jnp.einsum(spec, x[..., 0::2], even, preferred_element_type=f32, precision=EXACT)
-                   + jnp.einsum(spec, x[..., 1::2], odd, preferred_element_type=f32, precision=EXACT))
+        if experts.is_mxfp4:   # x @ w.T over the low + high nibbles' columns: no interleave, no untiling
+            out = experts.halves_matmul(x, w)
         else:
             out = jnp.einsum(spec, x, w, preferred_element_type=f32, precision=EXACT)
         return out.astype(z.dtype)

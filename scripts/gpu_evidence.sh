@@ -19,9 +19,9 @@
 # GRANULARITIES (default xla-ops,per-op) select the model points; OPS (default: every op, e.g.
 # OPS="moe_experts kda_decode") the ops of `validate` and `ops`; EXPERTS (e.g. mxfp4-rows) the
 # routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
-# (--set full) of the Pallas mla_decode attention kernel at a short and a long context (the report
-# is the log): what bounds the attention kernel (session 22: every ncu launch segfaulted on the
-# device after a first "Failed to profile"; not resolved). Build the CuTe library first (python -m cute_bridge.build) and take
+# (speed of light, compute / memory workload, occupancy, warp states, the SM-throughput breakdown,
+# DRAM and L2 bytes) of the Pallas mla_decode attention kernel at a short and a long context (the
+# report is the log; session 24: at ctx 32768 b8 the tensor pipe is the busiest unit, 74.5%). Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -81,15 +81,13 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4-rows,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    ncu-mla)  # First whether ncu profiles at all here: one XLA matmul, then one Mosaic GPU kernel (small case).
-              run_phase ncu-probe-xla 60 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -c 1 python -c \
-                "import jax.numpy as jnp; x = jnp.ones((512, 512)); print(float((x @ x)[0, 0]))"
-              run_phase ncu-probe-mosaic 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu -k "regex:mla_attend" -c 1 \
-                python benchmarks/ncu_op.py --op mla_decode --case b4_h8_c128_l384_one_split --impl pallas --calls 0
+    ncu-mla)  # Sections that profiled on the H200 in session 24 (ncu locks the SM clock at its base, 1.28 GHz).
               for case in ctx1024_b1 ctx32768_b8; do
                 run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-                  ncu --set full -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py \
-                  --op mla_decode --case "$case" --impl pallas --calls 0
+                  ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                  --section Occupancy --section WarpStateStats \
+                  --metrics breakdown:sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum \
+                  -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py --op mla_decode --case "$case" --impl pallas --calls 0
               done ;;
     *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles ncu-mla)"; exit 2 ;;
   esac

@@ -401,7 +401,9 @@ def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
     np.testing.assert_array_equal(np.asarray(b.w2_packed[...]), np.asarray(mxfp4.to_tiles(a.w2_packed[...])))
     np.testing.assert_array_equal(np.asarray(b.w1_scale[...]), np.asarray(mxfp4.to_tiles(a.w1_scale[...], scales=True)))
     ids = np.arange(1, 7)[None]
-    np.testing.assert_array_equal(np.asarray(tiles(ids)), np.asarray(rows(ids)))
+    # float32: the reference sums each tile's columns in another order than a row's
+    want = np.asarray(rows(ids))
+    np.testing.assert_allclose(np.asarray(tiles(ids)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     out = ckpt.save_hf_checkpoint(tiles, str(tmp_path / "out"), hf)
     x, y = ckpt.TensorIndex(src), ckpt.TensorIndex(out)
     for n in y.where:
@@ -409,7 +411,7 @@ def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
     orb = ckpt.save_orbax(tiles, str(tmp_path / "orb"), hf)
     restored, _ = ckpt.restore_orbax(orb)
     assert restored.cfg.expert_layout == "tiles"
-    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(rows(ids)))
+    np.testing.assert_array_equal(np.asarray(restored(ids)), np.asarray(tiles(ids)))
     meta_path = os.path.join(orb, "k3jax.json")
     meta = json.load(open(meta_path))
     assert meta["expert_tile_version"] == mxfp4.TILE_VERSION

@@ -147,6 +147,26 @@ def test_tiled_expert_weights_gather_the_same_weights():
     ids = jnp.array([2, 0])
     for a, b in zip(rows.gather(ids, jnp.float32), tiled.gather(ids, jnp.float32)):
         np.testing.assert_array_equal(a, b)
-    for (a0, a1), (b0, b1) in zip(rows.gather_halves(ids, jnp.float32), tiled.gather_halves(ids, jnp.float32)):
-        np.testing.assert_array_equal(a0, b0)
-        np.testing.assert_array_equal(a1, b1)
+    # the reference's matmul straight from the tiles (no untiling) = the dense matmul, both orders
+    dense = rows.gather(ids, jnp.float32)
+    for x in (jax.random.normal(jax.random.key(6), (5, 384)), jax.random.normal(jax.random.key(7), (2, 5, 384))):
+        spec = "ni,uoi->uno" if x.ndim == 2 else "uni,uoi->uno"
+        for matrix in range(3):
+            want = jnp.einsum(spec, x, dense[matrix], precision="highest")
+            for w in (rows, tiled):
+                got = w.halves_matmul(x, w.gather_halves(ids, jnp.float32)[matrix])
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_nibble_columns_follow_the_byte_order():
+    """nibble_columns: the low / high nibbles of the bytes hold these columns, read back through
+    unpack_codes in row order and through pair_nibbles' words in tiles."""
+    lo, hi = mxfp4.nibble_columns(256, tiled=False)
+    np.testing.assert_array_equal(lo, np.arange(0, 256, 2))
+    np.testing.assert_array_equal(hi, np.arange(1, 256, 2))
+    lo, hi = mxfp4.nibble_columns(256, tiled=True)
+    assert sorted(np.concatenate([lo, hi]).tolist()) == list(range(256))
+    codes = np.arange(256) % 16                                  # column j holds code j % 16
+    paired = np.asarray(mxfp4.pair_nibbles(np.asarray(mxfp4.pack_codes(codes[None]))))[0]
+    np.testing.assert_array_equal(paired & 0x0F, codes[lo])
+    np.testing.assert_array_equal(paired >> 4, codes[hi])
