@@ -344,22 +344,18 @@ class ExpertWeights:
         return ExpertWeights(*(mxfp4.to_tiles(w) for w in (self.w1, self.w3, self.w2)),
                              *(mxfp4.to_tiles(s, scales=True) for s in (self.s1, self.s3, self.s2)), tiled=True)
 
-    def packed(self, ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """MXFP4 only: the experts `ids` [U] as (codes, scales) per matrix (w1, w3, w2), in row order."""
-        pairs = self._gathered(ids)
-        if not self.tiled:
-            return pairs
-        return tuple((mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs)
-
     def _gathered(self, ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """MXFP4: the experts `ids` [U] as stored, (codes, scales) per matrix (w1, w3, w2)."""
         return tuple((w[ids], s[ids]) for w, s in ((self.w1, self.s1), (self.w3, self.s3), (self.w2, self.s2)))
 
     def gather(self, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Only the experts `ids` [U], dequantised to `dtype`: (w1, w3, w2)."""
-        if self.is_mxfp4:
-            return tuple(mxfp4.dequantize(w, s, dtype) for w, s in self.packed(ids))
-        return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
+        """Only the experts `ids` [U], dequantised to `dtype` in row order: (w1, w3, w2)."""
+        if not self.is_mxfp4:
+            return tuple(w[ids].astype(dtype) for w in (self.w1, self.w3, self.w2))
+        pairs = self._gathered(ids)
+        if self.tiled:
+            pairs = ((mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs)
+        return tuple(mxfp4.dequantize(w, s, dtype) for w, s in pairs)
 
     def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as the input
