@@ -12,6 +12,9 @@ from k3jax.config import K3Config, expected_unique_experts
 
 # Measured device-to-device copy rates (bytes read + written per second); see BENCHMARKS.md.
 MEASURED_COPY_BANDWIDTH = {"NVIDIA H200": 4.3e12}
+# Dense bf16 tensor-core peak from the vendor's spec sheet (FLOP/s): 2048 multiply-adds per clock per
+# SM; ncu's tensor-pipe percentages are of this rate at the SM clock it profiles at.
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12}
 
 
 def dense_weight_bytes(cfg: K3Config, dtype_bytes: int = 2) -> int:

@@ -38,6 +38,13 @@ cache, 1152 B per token per sequence).
    FlashAttention-3's ping-pong (a two-arrival barrier twice per tile, so one consumer's softmax runs while the
    other's wgmmas hold the tensor cores) - 8-10% slower (ctx 4096 b32: 97.1 vs 89.6 us): not
    kept. Each block writes o / l rounded to bf16 and the running (max, sum).
+   Tensor-core ceiling (benchmarks/floors.py, `mla_tensor_ceilings`): at K3 this schedule executes
+   27.3 MFLOP of wgmma per 64-token tile (2.04x the 13.4 needed), 1.6x the time the H200 takes to
+   read the tile at the copy rate when its tensor cores run at their 989 TFLOPS peak, so at long
+   context it cannot pass 62% of the byte roofline however it is tuned; at ctx 32768 b8 it runs
+   them at 657 TFLOPS (attention 170 us; ncu: 74.5% of the peak at its base clock). Scoring each
+   tile once (the seesaw) caps at 95% and needs 74% of the peak for the 70% target; heads on the
+   N side (no padding) 55%.
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a

@@ -3,10 +3,10 @@
 # whole-model backend parity, whole-step timings.
 #
 #   OUT=results_dir bash scripts/gpu_evidence.sh [PHASE ...]
-#   phases: validate ops parity model large bisect | torch kimi contexts | tiles | ncu-mla
+#   phases: validate ops parity model large bisect | torch kimi contexts | tiles | ncu-mla ncu-moe | floors
 #
 # One 10-minute device call fits `validate bisect`, `parity model`, `validate ops` or
-# `torch kimi`, `contexts`, `tiles` or `ncu-mla` (the phase limits below add up to under 600 s). `tiles`: the
+# `torch kimi`, `contexts`, `tiles`, `ncu-mla` or `ncu-moe floors` (the phase limits below add up to under 600 s). `tiles`: the
 # MXFP4 expert kernels in row order and in tiles (expert_layout "rows" / "tiles") - their GPU tests (both
 # orders: session 21 changed the decode factor of both), the MoE op in row vs tile order, and the step at BATCHES with --expert-formats mxfp4-rows,mxfp4-tiles. `torch` times the PyTorch
 # reference (transformers' Kimi-Linear decode step, cuBLAS GEMV, grouped expert GEMM) on
@@ -21,7 +21,12 @@
 # routed-expert storage of `parity` and `model` (default: the preset's). `ncu-mla`: Nsight Compute
 # (speed of light, compute / memory workload, occupancy, warp states, the SM-throughput breakdown,
 # DRAM and L2 bytes) of the Pallas mla_decode attention kernel at a short and a long context (the
-# report is the log; session 24: at ctx 32768 b8 the tensor pipe is the busiest unit, 74.5%). Build the CuTe library first (python -m cute_bridge.build) and take
+# report is the log; session 24: at ctx 32768 b8 the tensor pipe is the busiest unit, 74.5%); `ncu-moe` the
+# same sections plus launch and instruction statistics of the Pallas and CuTe MXFP4 expert kernels at batch 1
+# (experts in tiles). ncu locks the SM clock at its base (1.28 GHz); NCU_CLOCK=none profiles at the clocks
+# the benchmarks run at. `floors` runs benchmarks/floors.py: the same bytes as the unmet targets moved without
+# their math (KDA state in place by XLA and by kda_decode's TMA slabs, weight reads, the smallest kernel).
+# Build the CuTe library first (python -m cute_bridge.build) and take
 # cute_bridge/_build along, or the cute backend falls back to Pallas/XLA (and says so).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
@@ -33,6 +38,7 @@ GRANULARITIES=${GRANULARITIES:-xla-ops,per-op}
 TORCH_PRESET=${TORCH_PRESET:-kimi-linear-48b-h200}
 OPS=${OPS:-}
 op_flags=(); for op in $OPS; do op_flags+=(--op "$op"); done
+ncu_clock=(); [ -n "${NCU_CLOCK:-}" ] && ncu_clock=(--clock-control "$NCU_CLOCK")
 mkdir -p "$OUT"
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(parity model)
@@ -81,15 +87,25 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4-rows,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    ncu-mla)  # Sections that profiled on the H200 in session 24 (ncu locks the SM clock at its base, 1.28 GHz).
+    ncu-mla)  # Sections that profiled on the H200 in session 24 (ncu locks the SM clock at its base, 1.28 GHz,
+              # unless NCU_CLOCK=none).
               for case in ctx1024_b1 ctx32768_b8; do
                 run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-                  ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                  ncu "${ncu_clock[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                   --section Occupancy --section WarpStateStats \
                   --metrics breakdown:sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum \
                   -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py --op mla_decode --case "$case" --impl pallas --calls 0
               done ;;
-    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles ncu-mla)"; exit 2 ;;
+    ncu-moe)  # The MXFP4 expert kernels at batch 1, experts in tiles: Pallas (65% of the copy rate) vs CuTe (77%).
+              for impl in pallas cute; do
+                run_phase "ncu-moe-$impl" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+                  ncu "${ncu_clock[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                  --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats \
+                  -k "regex:gate_up|down" -c 2 python benchmarks/ncu_op.py --op moe_experts --case k3_e448_tiles_b1 \
+                  --impl "$impl" --calls 0
+              done ;;
+    floors)   run_phase floors 150 python benchmarks/floors.py --preset "$PRESET" --out "$OUT/floors.json" ;;
+    *) echo "unknown phase $phase (validate ops parity model large bisect torch kimi contexts tiles ncu-mla ncu-moe floors)"; exit 2 ;;
   esac
 done
 

@@ -1,0 +1,165 @@
+"""Ceilings at the sizes of issue 5's unmet targets: the same bytes moved with no math, so a
+kernel's shortfall splits into what its launch / data movement costs and what its math costs.
+
+    python benchmarks/floors.py [--preset k3-h200] [--batches 1,3,8] [--out floors.json]
+
+Rows (device time per call: CUPTI kernel sums on a GPU via k3jax.bench.time_rotating, inputs
+rotated past L2; fraction of the measured copy rate, k3jax.costs.copy_bandwidth):
+  state_update_b{B}       XLA: the KDA recurrent state [B, H, d, d] float32 scaled in place (donated):
+                          kda_decode's state bytes, read and written once, in one fusion;
+  state_slabs_b{B}_s{S}   Pallas (Mosaic GPU): kda_decode's grid (B, H, S) with S its `plan`'s splits
+                          and 4, each program TMA-loading its [d, d/S] column slab to SMEM and storing
+                          it back in place: the kernel's data movement without its math;
+  weight_read_{N}MiB      XLA: a bf16 matrix read once (row sums) at the sizes of MLA's absorption /
+                          expansion weights (12 MiB each at K3), the whole w_kv_b and larger;
+  smallest_kernel         XLA: 8 floats, the time any one kernel takes.
+and, computed rather than timed (`mla_tensor_ceilings`, printed first on any device), the share of
+the byte roofline the tensor cores allow MLA decode attention per schedule of its matrix products.
+Every output is checked (the slab copy must return its input bit for bit). On a CPU the Pallas rows
+run in interpret mode and the times are wall clock: only the GPU's numbers are ceilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run as a script
+
+from k3jax import atomic, costs  # noqa: E402
+from k3jax.bench import time_rotating  # noqa: E402
+from k3jax.cli import at_least, check_writable, int_list, run_cli  # noqa: E402
+from k3jax.presets import get_preset  # noqa: E402
+from pallas_kernels import kda_decode, mgpu, mla_decode  # noqa: E402
+
+WEIGHT_MIB = (12, 24, 48, 96, 280)
+ROTATIONS = 4
+
+
+def mla_tensor_ceilings(heads: int, latent: int, rope: int, device: str = "NVIDIA H200") -> list[dict]:
+    """Per schedule of MLA's absorbed decode attention (pallas_kernels.mla_decode), over one cached
+    tile of BLOCK_L tokens: the matrix-product FLOPs it executes, and, with the tensor cores at their
+    spec peak and perfectly overlapped with the tile's read at the measured copy rate, the largest
+    share of the byte roofline it can reach and the tensor-core efficiency it needs for 70%.
+    Scores take 2 L (C + R) FLOPs per head, the weighted sum 2 L C; heads are wgmma's M side in
+    groups of BLOCK_H (padded) unless on its N side."""
+    tile = mla_decode.BLOCK_L
+    padded = -(-heads // mla_decode.BLOCK_H) * mla_decode.BLOCK_H
+    scores, weighted_sum = 2 * tile * (latent + rope), 2 * tile * latent
+    schedules = {"padded heads, scores in both consumers (kernel)": padded * (2 * scores + weighted_sum),
+                 "padded heads, scores once (seesaw)": padded * (scores + weighted_sum),
+                 "unpadded heads, scores once": heads * (scores + weighted_sum)}
+    read_s = tile * (latent + rope) * 2 / costs.MEASURED_COPY_BANDWIDTH[device]
+    rows = []
+    for name, flops in schedules.items():
+        tensor_s = flops / costs.PEAK_BF16_FLOPS[device]
+        rows.append({"name": f"mla_tensor_ceiling: {name}", "mma_flops_per_tile": flops,
+                     "max_frac_roofline": min(1.0, read_s / tensor_s),
+                     "efficiency_for_70pct": tensor_s / (read_s / 0.7)})
+    return rows
+
+
+def slab_copy(state: jax.Array, splits: int) -> jax.Array:
+    """state [B, H, d, d] float32 -> the same values, moved as kda_decode moves its state: grid (B, H,
+    splits), each program's [d, d / splits] column slab GMEM -> SMEM -> GMEM by TMA, in place."""
+    b, h, d, _ = state.shape
+    cols = d // splits
+
+    def program(state_g, slab_s, bar):
+        bi, hi, si = (jax.lax.axis_index(n) for n in "bhs")
+        slab_g = state_g.at[bi, hi, :, pl.ds(si * cols, cols)]
+        plgpu.copy_gmem_to_smem(slab_g, slab_s, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        plgpu.copy_smem_to_gmem(slab_s, slab_g)
+        plgpu.wait_smem_to_gmem(0)
+
+    ref = jax.new_ref(state)
+    plgpu.kernel(lambda s: pl.run_scoped(lambda slab_s, bar: program(s, slab_s, bar),
+                                         plgpu.SMEM((d, cols), jnp.float32), plgpu.Barrier(num_barriers=1)),
+                 out_type=(), grid=(b, h, splits), grid_names=("b", "h", "s"),
+                 interpret=mgpu.interpret_params())(ref)
+    return jax.freeze(ref)
+
+
+def _row(name: str, nbytes: float, timed: dict, copy_bw: float, log) -> dict:
+    row = {"name": name, "bytes": nbytes, "device_s": timed["device_s"], "wall_s": timed["wall_s"],
+           "timer": timed["timer"], "frac_copy_bw": nbytes / timed["device_s"] / copy_bw,
+           "top_kernels": timed.get("top_kernels", [])}
+    log(f"{name:26s} {nbytes / 2 ** 20:9.2f} MiB {timed['device_s'] * 1e6:9.2f} us "
+        f"{row['frac_copy_bw']:7.1%} of the copy rate ({timed['timer']})")
+    return row
+
+
+def _check(name: str, got: jax.Array, want: jax.Array) -> None:
+    if not np.array_equal(np.asarray(got), np.asarray(want)):
+        raise AssertionError(f"{name}: output differs from the expected values")
+
+
+def measure(batches: list[int], heads: int, head_dim: int, weight_mib: tuple[int, ...], rounds: int = 5,
+            log=print) -> list[dict]:
+    """The rows described in the module doc, for a KDA state of `heads` x [head_dim, head_dim]."""
+    copy_bw = costs.copy_bandwidth()
+    key = jax.random.key(0)
+    rows = []
+    for b in batches:
+        shape = (b, heads, head_dim, head_dim)
+        nbytes = 2.0 * 4 * np.prod(shape)
+        states = [(jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32),) for i in range(ROTATIONS)]
+        _check(f"state_update_b{b}", jax.jit(lambda s: s * 0.5)(states[0][0]), states[0][0] * 0.5)
+        rows.append(_row(f"state_update_b{b}", nbytes, time_rotating(lambda s: s * 0.5, states, rounds, donate=(0,)),
+                         copy_bw, log))
+        for splits in sorted({kda_decode.plan(b, heads, mgpu.num_sms()), 4}):
+            name = f"state_slabs_b{b}_s{splits}"
+            run = lambda s, splits=splits: slab_copy(s, splits)       # noqa: E731
+            _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
+            rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
+    for mib in weight_mib:
+        n = mib * 2 ** 20 // 2
+        mats = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (n // 1024, 1024), jnp.bfloat16),)
+                for i in range(ROTATIONS)]
+        read = lambda w: w.astype(jnp.float32).sum(-1)      # noqa: E731
+        rows.append(_row(f"weight_read_{mib}MiB", 2.0 * n, time_rotating(read, mats, rounds), copy_bw, log))
+    tiny = [(jnp.full((8,), i, jnp.float32),) for i in range(ROTATIONS)]
+    rows.append(_row("smallest_kernel", 64.0, time_rotating(lambda x: x * 2 + 1, tiny, rounds), copy_bw, log))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="k3-h200", help="model preset whose KDA state sizes to use")
+    ap.add_argument("--batches", default="1,3,8", help="comma-separated batch sizes of the KDA state rows")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds (median)")
+    ap.add_argument("--out", help="JSON path for the rows (written atomically)")
+    args = ap.parse_args(argv)
+
+    def work() -> int:
+        batches = int_list(args.batches, "--batches")
+        at_least("--rounds", args.rounds, 1)
+        if args.out:
+            check_writable(args.out, "--out")
+        cfg = get_preset(args.preset)
+        ceilings = mla_tensor_ceilings(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        for c in ceilings:
+            print(f"{c['name']:72s} {c['mma_flops_per_tile'] / 1e6:6.2f} MFLOP/tile  at most "
+                  f"{c['max_frac_roofline']:4.0%} of the byte roofline; 70% needs {c['efficiency_for_70pct']:4.0%} "
+                  f"of the tensor peak")
+        rows = ceilings + measure(batches, cfg.kda_num_heads, cfg.kda_head_dim, WEIGHT_MIB, args.rounds)
+        if args.out:
+            atomic.write_json(args.out, {"meta": {"kind": "floors", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                  "device": jax.devices()[0].device_kind, "preset": args.preset,
+                                                  "copy_bandwidth": costs.copy_bandwidth(),
+                                                  "command": " ".join(sys.argv)}, "rows": rows})
+        return 0
+    return run_cli("floors", work)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
