@@ -10,6 +10,9 @@ rotated past L2; fraction of the measured copy rate, k3jax.costs.copy_bandwidth)
   state_slabs_b{B}_s{S}   Pallas (Mosaic GPU): kda_decode's grid (B, H, S) with S its `plan`'s splits
                           and 4, each program TMA-loading its [d, d/S] column slab to SMEM and storing
                           it back in place: the kernel's data movement without its math;
+  state_slabs_persistent_b{B}_s{S}
+                          the same slabs moved by one program per SM (at most), each streaming its
+                          share through 4 SMEM slots: what a persistent kda_decode would move;
   weight_read_{N}MiB      XLA: a bf16 matrix read once (row sums) at the sizes of MLA's absorption /
                           expansion weights (12 MiB each at K3), the whole w_kv_b and larger;
   smallest_kernel         XLA: 8 floats, the time any one kernel takes.
@@ -89,6 +92,49 @@ def slab_copy(state: jax.Array, splits: int) -> jax.Array:
     return jax.freeze(ref)
 
 
+def persistent_slab_copy(state: jax.Array, splits: int, programs: int, slots: int = 4) -> jax.Array:
+    """slab_copy's items (sequence, head, split) moved by `programs` programs instead, program p
+    taking items p, p + programs, ...: its first `slots` slab loads issued at once, each slab stored
+    back as soon as it arrives and its slot refilled with the program's next item once that store has
+    read it - the data movement of a persistent kda_decode, whose stores overlap later items' work."""
+    b, h, d, _ = state.shape
+    cols = d // splits
+    items = b * h * splits
+
+    def program(state_g, slab_s, bar):
+        p = jax.lax.axis_index("p")
+        mine = (items - p + programs - 1) // programs
+
+        def slab(j):
+            i = p + j * programs
+            return state_g.at[i // (h * splits), (i // splits) % h, :, pl.ds((i % splits) * cols, cols)]
+
+        for j in range(slots):
+            @pl.when(j < mine)
+            def _(j=j):
+                plgpu.copy_gmem_to_smem(slab(j), slab_s.at[j], bar.at[j])
+
+        @pl.loop(0, mine)
+        def _(j):
+            slot = j % slots
+            plgpu.barrier_wait(bar.at[slot])
+            plgpu.copy_smem_to_gmem(slab_s.at[slot], slab(j))
+
+            @pl.when(j + slots < mine)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the slot's store has read it
+                plgpu.copy_gmem_to_smem(slab(j + slots), slab_s.at[slot], bar.at[slot])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    ref = jax.new_ref(state)
+    plgpu.kernel(lambda s: pl.run_scoped(lambda slab_s, bar: program(s, slab_s, bar),
+                                         plgpu.SMEM((slots, d, cols), jnp.float32),
+                                         plgpu.Barrier(num_barriers=slots)),
+                 out_type=(), grid=(programs,), grid_names=("p",), interpret=mgpu.interpret_params())(ref)
+    return jax.freeze(ref)
+
+
 def _row(name: str, nbytes: float, timed: dict, copy_bw: float, log) -> dict:
     row = {"name": name, "bytes": nbytes, "device_s": timed["device_s"], "wall_s": timed["wall_s"],
            "timer": timed["timer"], "frac_copy_bw": nbytes / timed["device_s"] / copy_bw,
@@ -119,6 +165,11 @@ def measure(batches: list[int], heads: int, head_dim: int, weight_mib: tuple[int
         for splits in sorted({kda_decode.plan(b, heads, mgpu.num_sms()), 4}):
             name = f"state_slabs_b{b}_s{splits}"
             run = lambda s, splits=splits: slab_copy(s, splits)       # noqa: E731
+            _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
+            rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
+            programs = min(b * heads * splits, mgpu.num_sms())
+            name = f"state_slabs_persistent_b{b}_s{splits}"
+            run = lambda s, splits=splits, programs=programs: persistent_slab_copy(s, splits, programs)  # noqa: E731
             _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
             rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
     for mib in weight_mib:

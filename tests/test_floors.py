@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import mgpu
+
 _PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "floors.py"
 _SPEC = importlib.util.spec_from_file_location("floors", _PATH)
 floors = importlib.util.module_from_spec(_SPEC)
@@ -15,16 +17,33 @@ _SPEC.loader.exec_module(floors)
 
 def test_slab_copy_moves_every_slab_unchanged():
     state = jax.random.normal(jax.random.key(1), (2, 3, 64, 64), jnp.float32)
+    with mgpu.race_detection():
+        _copies_unchanged(state)
+
+
+def _copies_unchanged(state):
     for splits in (1, 2, 4):
         out = jax.jit(lambda s, splits=splits: floors.slab_copy(s, splits))(state)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(state))
+    # Persistent programs: fewer items than slots, several rounds of the slots, a ragged last round.
+    for splits, programs in ((1, 6), (2, 1), (4, 5)):
+        out = jax.jit(lambda s, splits=splits, programs=programs: floors.persistent_slab_copy(s, splits, programs))(state)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(state))
+
+
+def test_copies_export_for_cuda_at_k3_sizes():
+    state = jax.ShapeDtypeStruct((1, 96, 128, 128), jnp.float32)
+    with mgpu.compile_for_gpu():
+        jax.export.export(jax.jit(lambda s: floors.slab_copy(s, 4)), platforms=["cuda"])(state)
+        jax.export.export(jax.jit(lambda s: floors.persistent_slab_copy(s, 4, 132)), platforms=["cuda"])(state)
 
 
 def test_rows_cover_every_measurement():
     rows = floors.measure([1, 3], heads=2, head_dim=64, weight_mib=(1,), rounds=1, log=lambda _: None)
     names = [r["name"] for r in rows]
     # Two (sequence, head) pairs are fewer than the SMs: `plan` gives 4 splits, the only slab row per batch.
-    assert names == ["state_update_b1", "state_slabs_b1_s4", "state_update_b3", "state_slabs_b3_s4",
+    assert names == ["state_update_b1", "state_slabs_b1_s4", "state_slabs_persistent_b1_s4",
+                     "state_update_b3", "state_slabs_b3_s4", "state_slabs_persistent_b3_s4",
                      "weight_read_1MiB", "smallest_kernel"]
     assert rows[0]["bytes"] == 2 * 4 * 2 * 64 * 64
     assert all(r["device_s"] > 0 and r["frac_copy_bw"] > 0 for r in rows)
