@@ -38,33 +38,16 @@ halved register slab lets more programs stay resident. Splitting repeats the sma
 and reads (L2 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of
 bytes; 1 split runs it in the kernel, slower everywhere measured).
 
-The small inputs are the per-program cost: the chain of small loads, conv, norms and reductions,
-not the slab's TMA, bounded this kernel while it computed them in the row layout the delta rule
-broadcasts, where each of a thread's 4 channels sits in 4 lanes, so every load and operation was
-issued 4 times (session 17's ncu of the prep kernel below: 854 instructions a warp, LG-throttle
-stalls). Until session 18 the inputs were therefore prepared first from two pairs per SM, by
-`_prep_kernel` or XLA, and `_state_kernel` did only the delta rule. Since session 18 `_head_inputs`
-computes them one channel a thread and the fused kernel wins again (H200, donated state, CUPTI
-sum per call, us; fused 2 splits / prep kernel + state kernel 4 splits): K3 b3 17.0 / 18.1-18.3
-(4 splits fused 16.8-16.9), **b8 34.4 (71.6%) / 35.2-35.5**, b16 63.3 (77.7%) / 64.4-64.8, b32
-119.1 (82.4%) / 120.0-120.2, b128 452.6 (86.7%) / 448.2-454.6; Kimi-Linear b32 44.2 / 45.1. Below
-two pairs per SM 2 splits beat 1: K3 b2 12.8-13.0 / 15.0, Kimi-Linear b5 12.7 / 14.4, b8 15.4 /
-17.1-17.2; K3 b1 (4 splits) 10.8 -> 9.6-9.7 us. Before (the row layout): fused K3 b8 44.8 (2 splits),
-with the prep kernel 38.6-38.9 (63.3-63.9%).
-
-`kda_decode(prep=...)` keeps the two-kernel forms for ablations: "kernel" (`_prep_kernel`, one
-warpgroup per (sequence, head) computing `_head_loads` + `_head_math` one channel a thread and
-storing q, k, v, the exponentiated decay, beta and the window from registers; then 4 splits) and
-"xla" (ops.kda_step_inputs as XLA ops, 5+ launches; then 2 splits). Measured for them (us): the
-prep kernel in the row layout 7.7 at K3 b8, dense 4.0-4.4 (staged through SMEM + TMA 4.4); XLA's
-prep b32 134.7 / b128 471.8 for the op against 120.0 / 448.2-454.6; a prep program looping over
-G heads (`prep_group`) slower at every G tried (session 9, row layout: b8 G = 1 / 2 / 4 5.8 / 8.7
-/ 9.0 us; session 18, dense: b8 G = 2 36.4 us for the op against 35.3-35.6). The conv window is
-not updated in place (its bytes are the same either way). Tried and not kept: one launch of
-four-warpgroup blocks per (sequence, head) dividing the prep and the value columns through SMEM
-(session 17: K3 b8 47.1 us against 39.1, one block per SM, and wrong on the GPU where interpret
-mode passed; commit ec1fb42); 8 value-column splits (session 17, after the prep kernel, us for
-4 / 8: b8 39.2 / 42.7, b16 70.2 / 82.8, b32 134.0 / 161.0).
+The small inputs, not the slab's TMA, are the per-program cost: computed in the row layout the
+delta rule broadcasts (each of a thread's 4 channels in 4 lanes) every load and operation was
+issued 4 times, hence `_dense`. `kda_decode(prep=...)` keeps the two-kernel forms of sessions
+7-17 for ablations: "kernel" (`_prep_kernel`, one warpgroup per (sequence, head) computing
+`_head_loads` + `_head_math` one channel a thread and storing q, k, v, the exponentiated decay,
+beta and the window from registers; then 4 splits) and "xla" (ops.kda_step_inputs as XLA ops, 5+
+launches; then 2 splits). The conv window is not updated in place (its bytes are the same either
+way). Measurements of every form and of what was tried and not kept (grouped prep programs, one
+launch of four-warpgroup blocks sharing the prep, 8 splits, streaming programs):
+docs/pallas.md (`kda_decode`) and BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -21,30 +21,13 @@ cache, 1152 B per token per sequence).
    masked by position < kv_len, online softmax in registers (base 2), then o[64, C/2] += p @
    latent[:, half] by wgmma. Heads are wgmma's M side, so H = 96 is two groups (the second half
    padding). A [64, 512] float32 o would need 256 registers a thread, hence the two consumers;
-   each computes the full scores. Measured alternative (session 7): one consumer computes the
-   scores and hands p and the rescale factors to the other through SMEM (no recomputation; fits
-   with `reduction_scratch_bytes=0`) - 1.0-1.8x slower, as the hand-off serialises the two
-   warpgroups. Split scores (sessions 19-20, not kept: commit cbc0902, patch in
-   benchmarks/results/ab/): consumer w scored tokens [32 w, 32 w + 32) of each tile only, the two
-   met twice a tile through a two-arrival barrier (their row maxima, then their halves of p in
-   SMEM) and each ran PV over all 64 tokens for its C half: 1.33x the needed MMA work instead of
-   2.04x, yet 1-5% slower on the H200 (ctx 32768 b8 193.8 vs 188.6 us, attention 176.9 vs 170.0):
-   the MMA work is not what bounds the long contexts, the meetings cost more. Session 22's
-   seesaw (FlashMLA's schedule: consumer t % 2 scored tile t and handed p and its row maxima to
-   the other through the tile's spent k_rope buffer; 2176 instead of 3328 MMA clocks and ~30%
-   less SMEM traffic a tile), plain and with its hand-offs behind in-flight wgmmas: 0-16% and
-   10-19% slower (ctx 32768 b8 187.6 / 209.9 vs 188.8 us; patch in benchmarks/results/ab/), so
-   neither tensor-core nor SMEM throughput bounds the long contexts. Also session 19:
-   FlashAttention-3's ping-pong (a two-arrival barrier twice per tile, so one consumer's softmax runs while the
-   other's wgmmas hold the tensor cores) - 8-10% slower (ctx 4096 b32: 97.1 vs 89.6 us): not
-   kept. Each block writes o / l rounded to bf16 and the running (max, sum).
-   Tensor-core ceiling (benchmarks/floors.py, `mla_tensor_ceilings`): at K3 this schedule executes
-   27.3 MFLOP of wgmma per 64-token tile (2.04x the 13.4 needed), 1.6x the time the H200 takes to
-   read the tile at the copy rate when its tensor cores run at their 989 TFLOPS peak, so at long
-   context it cannot pass 62% of the byte roofline however it is tuned; at ctx 32768 b8 it runs
-   them at 657 TFLOPS (attention 170 us; ncu: 74.5% of the peak at its base clock). Scoring each
-   tile once (the seesaw) caps at 95% and needs 74% of the peak for the 70% target; heads on the
-   N side (no padding) 55%.
+   each computes the full scores. Each block writes o / l rounded to bf16 and the running (max,
+   sum). That schedule executes 2.04x the needed MMA work at K3 (27.3 MFLOP a tile), which caps
+   it at 62% of the byte roofline at long context with the tensor cores at their peak
+   (benchmarks/floors.py); it runs them at ~657 TFLOPS. Schedules measured and not kept - one
+   consumer scoring for both (session 7), split scores (sessions 19-20), FlashAttention-3's
+   ping-pong (session 19), FlashMLA's seesaw (session 22; patches in benchmarks/results/ab/) -
+   and why: docs/pallas.md (mla_decode's design notes, "Not done yet") and BENCHMARKS.md.
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a

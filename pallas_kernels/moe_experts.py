@@ -42,24 +42,17 @@ and staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and
 the tests run a numpy model of it (with the register placement of `_decode_quad`) against
 mxfp4.dequantize + permute_k, bit for bit, for every code in every position at the scale codes in
 use and both ends of EXACT_SCALES (and show its top is tight), in row order and in tiles.
-Stages (`OCCUPANCY`): as many as keep three programs resident per SM, so one decodes while the
-others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens. MX_STEP (input
-columns per step) is 512; 256 (3 + 4 stages at the same occupancy) measured the same at batch 1
-and 3-4% slower at 8-32 tokens, 128 slower everywhere: the kernel does not wait on its loads.
+Stages (`OCCUPANCY`): as many as keep three programs resident per SM (136 registers), so one
+decodes while the others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens.
+MX_STEP (input columns per step) is 512 (256 and 128 measured no faster).
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
-16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Measured on the
-H200 (2026-11-30, CUPTI, E=448), session 6 (IMAD decode, one fma): batch 1 111 us (58.8% of the
-4.32 TB/s copy rate), batch 8 606 us (74.8%), batch 32 2336 us (53.3%); gate/up 61.6 us and down
-31.3 us at batch 1. Before: session 5's and/shl/shl/or/and + two fma decode 127-130 us (51%),
-699-716 us (64%), 2715-2743 us (45.5%); session 4's prmt table decode 148 us at batch 1; the
-first elementwise decode through SMEM 836 us. Time follows the instruction count per word (29 ->
-21 -> 17: -7%, then -9%): the decode is issue-bound at three programs per SM (136 registers; one
-program per SM is 25% slower, deeper pipelines gain nothing).
+16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Time has followed
+the decode's instructions per word (29 -> 21 -> 17); the measurements of each decode, stage
+count and layout: docs/pallas.md (`moe_experts`) and BENCHMARKS.md.
 
-MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; session 20; the K3
-default since session 23; on the H200, session 22: batch 1 101.1 us, batch 8 594.5 us, as fast as
-row order) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
+MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; the K3 default since
+session 23) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
 (`_operands`): a step's TMA brings 4 whole chunks (16 KB contiguous, against 64 rows of 256 B
 1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad;
 their codes' pair order changes only the activations' permutation (`permute_k(tiled=True)`).
