@@ -25,7 +25,7 @@ cache, 1152 B per token per sequence).
    sum). That schedule executes 2.04x the needed MMA work at K3 (27.3 MFLOP a tile), which caps
    it at 62% of the byte roofline at long context with the tensor cores at their peak
    (benchmarks/floors.py); it runs them at ~657 TFLOPS. Schedules measured and not kept - one
-   consumer scoring for both (session 7), split scores (sessions 19-20), FlashAttention-3's
+   consumer scoring for both (session 7), split scores (session 20), FlashAttention-3's
    ping-pong (session 19), FlashMLA's seesaw (session 22; patches in benchmarks/results/ab/) -
    and why: docs/pallas.md (mla_decode's design notes, "Not done yet") and BENCHMARKS.md.
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
