@@ -1,5 +1,7 @@
-"""Ceilings at the sizes of issue 5's unmet targets: the same bytes moved with no math, so a
-kernel's shortfall splits into what its launch / data movement costs and what its math costs.
+"""Ceilings for the kernel targets not met: their bytes moved with no math, and MLA's tensor-core caps.
+
+At the sizes of the Pallas targets still open (KDA decode below batch 8, MLA decode attention), a
+kernel's shortfall splits into what its launches and data movement cost and what its math costs.
 
     python benchmarks/floors.py [--preset k3-h200] [--batches 1,3,8] [--out floors.json]
 

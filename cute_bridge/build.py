@@ -133,7 +133,11 @@ def build(force: bool = False, root: pathlib.Path = BUILD_ROOT, verbose: bool = 
     lib = out_dir / LIBRARY
     t0 = time.perf_counter()
     if force or not lib.exists():
-        import nvidia_cutlass_dsl  # noqa: F401  (fail early with the install hint below)
+        try:
+            import nvidia_cutlass_dsl  # noqa: F401
+        except ImportError:
+            raise RuntimeError("the CuTe DSL is not installed: `bash scripts/setup.sh cute` installs it "
+                               f"(nvidia-cutlass-dsl=={CUTLASS_DSL_VERSION}; no GPU needed)") from None
         from importlib.metadata import version
         if version("nvidia-cutlass-dsl") != CUTLASS_DSL_VERSION:
             raise RuntimeError(f"need nvidia-cutlass-dsl=={CUTLASS_DSL_VERSION}, have {version('nvidia-cutlass-dsl')}")
@@ -176,7 +180,11 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if this kernel set was built")
     p.add_argument("--out", type=pathlib.Path, default=BUILD_ROOT, help="build root (default %(default)s)")
     args = p.parse_args(argv)
-    build(args.force, args.out)
+    try:
+        build(args.force, args.out)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        print(f"cute_bridge.build: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

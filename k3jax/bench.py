@@ -136,7 +136,7 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
     from pallas_kernels import registry
 
     copy_bw = costs.copy_bandwidth()
-    log(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s")
+    log(f"copy bandwidth: {copy_bw / 1e9:.1f} GB/s")
     rows = []
     dev = jax.devices()[0]
     result = {"meta": {"kind": "ops", "device": dev.device_kind, "jax": jax.__version__,
@@ -734,7 +734,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=None, help=f"default: --model {DEFAULT_BATCHES}; --ops 1,8,32,128")
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="--model: cached tokens per sequence")
     p.add_argument("--backends", default=None, help="default: --model xla,pallas,cute; --ops xla,pallas")
-    p.add_argument("--granularities", default=",".join(GRANULARITIES))
+    p.add_argument("--granularities", default=",".join(GRANULARITIES),
+                   help=f"--model: kernel fusion granularities per backend (default {','.join(GRANULARITIES)})")
     p.add_argument("--expert-formats", default=None,
                    help="--model ablation, e.g. mxfp4,bf16 or mxfp4-rows,mxfp4-tiles (MXFP4 in row / tile order; mxfp4: the "
                         "default layout, tiles where the widths allow; default: the preset's)")
@@ -743,9 +744,9 @@ def main(argv=None) -> int:
     p.add_argument("--ablate", action="append", default=[], metavar="OP=IMPL[,OP=IMPL]",
                    help="--model: also run every configuration with these ops replaced, e.g. "
                         "attn_res_mix_norm=pallas (repeatable; rows labelled granularity+OP=IMPL)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="--model: activation / dense weight dtype (default bfloat16)")
+    p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point (default 32)")
+    p.add_argument("--warmup", type=int, default=3, help="--model: untimed steps before timing (default 3)")
     p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops small: a CPU smoke run")
     p.add_argument("--cases", default=None, help="--ops: regex, only the cases whose name matches (re.search)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json)")
@@ -753,7 +754,7 @@ def main(argv=None) -> int:
     p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="--model: start no new point after this many seconds (the rest: skipped rows)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs and CI)")
     a = p.parse_args(argv)
     command = "python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     return run_cli("k3jax.bench", lambda: _main(a, command))

@@ -198,6 +198,9 @@ def checkpoint_config(path: str, hf_config: dict | None = None, **config_changes
 
 
 def read_hf_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: " + ("is a file, not a checkpoint directory" if os.path.exists(path)
+                                             else "checkpoint directory does not exist"))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json in the checkpoint directory")
@@ -607,8 +610,9 @@ def synthetic_entries(hf_config: dict, seed: int = 0) -> list[Entry]:
 def synthetic_hf_config(preset: str) -> dict:
     """The preset's config.json, with the released quantization_config when experts are MXFP4."""
     from k3jax.presets import PRESETS, get_preset
+    cfg = get_preset(preset)            # ConfigError naming the known presets
     hf = copy.deepcopy(PRESETS[preset])
-    if get_preset(preset).expert_format == "mxfp4":
+    if cfg.expert_format == "mxfp4":
         text = hf["text_config"] if "text_config" in hf else hf
         text["quantization_config"] = copy.deepcopy(MXFP4_QUANT_CONFIG)
     return hf

@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    import os
+
     from k3jax import checkpoint as ckpt
+    if os.path.exists(args.dst) and not args.overwrite:    # before a long load, and naming the flag
+        raise FileExistsError(f"{args.dst} exists; pass --overwrite to replace it")
     if args.cmd == "hf-to-orbax":
         model = ckpt.load_hf_checkpoint(args.src, dtype=args.dtype)
         out = ckpt.save_orbax(model, args.dst, ckpt.read_hf_config(args.src), overwrite=args.overwrite)

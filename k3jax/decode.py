@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from k3jax import atomic, launch
@@ -92,6 +93,12 @@ class Request:
     pad: int
 
 
+def model_source(args: argparse.Namespace) -> tuple[str, str]:
+    """(path or preset, from_pretrained's `source`): --checkpoint is a directory, --preset a preset,
+    even where a folder of that name exists."""
+    return (args.checkpoint, "checkpoint") if args.checkpoint else (args.preset, "preset")
+
+
 def prepare(args: argparse.Namespace) -> Request:
     """Everything about the run that can be checked before the weights exist: flag combinations,
     the model config, tokenizer, prompts, sampling, stop ids (generation.check_request), the
@@ -106,7 +113,8 @@ def prepare(args: argparse.Namespace) -> Request:
     if args.output:
         check_writable(args.output, "--output")
     changes = expert_changes(args.experts)
-    cfg = config_of(args.checkpoint or args.preset, **changes)
+    path_or_preset, source = model_source(args)
+    cfg = config_of(path_or_preset, source=source, **changes)
     tokenizer = tokenizer_for(args.checkpoint, cfg.vocab_size)
     if args.prompt_ids:
         prompts = [int_list(t, "--prompt-ids", minimum=0) for t in args.prompt_ids]
@@ -130,7 +138,8 @@ def run(args: argparse.Namespace, request: Request) -> dict:
     from k3jax.backend import KernelPlan
     from k3jax.costs import copy_bandwidth, decode_step_bytes
 
-    model = k3jax.from_pretrained(args.checkpoint or args.preset, dtype=args.dtype, seed=args.seed,
+    path_or_preset, source = model_source(args)
+    model = k3jax.from_pretrained(path_or_preset, source=source, dtype=args.dtype, seed=args.seed,
                                   mesh=args.mesh, **request.changes)
     if args.mesh:
         from k3jax.sharding import set_ep_variant
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace, request: Request) -> dict:
     cfg = model.cfg
     tokenizer, prompts, stops, pad = request.tokenizer, request.prompts, request.stops, request.pad
     result = k3jax.generate_with_stats(model, prompts, args.max_new_tokens, sampling=request.sampling, seed=args.seed,
-                                       stop_tokens=stops, pad_id=pad, progress=args.max_new_tokens > 32)
+                                       stop_tokens=stops, pad_id=pad, progress=args.max_new_tokens > 32 and not args.quiet)
     device = jax.devices()[0]
     context = int(result.prompt_lengths.max()) + args.max_new_tokens // 2
     moved = decode_step_bytes(cfg, len(prompts), context, 2 if args.dtype == "bfloat16" else 4)["total"]
@@ -159,6 +168,8 @@ def run(args: argparse.Namespace, request: Request) -> dict:
                   "expert_format": expert_label(cfg)},
         "device": {"platform": device.platform, "kind": device.device_kind, "copy_bandwidth_Bps": bandwidth},
         "prompts": prompts,
+        "prompt_text": [tokenizer.decode(p) for p in prompts],
+        "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else f"random (preset {args.preset}, seed {args.seed})",
         "tokenizer": tokenizer.name,
         "generated_text": [tokenizer.decode(t[:n]) for t, n in zip(result.tokens, result.num_generated)],
         "bytes_per_decode_step": moved,
@@ -184,26 +195,33 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def _num(x: float | None, spec: str, scale: float = 1.0) -> str:
+    """x * scale formatted, or "-" where there is no value (no decode step ran: NaN / None)."""
+    return "-" if x is None or math.isnan(x) else format(x * scale, spec)
+
+
 def print_report(r: dict, quiet: bool) -> None:
     if not quiet:
-        for i, (ids, text) in enumerate(zip(r["tokens"], r["generated_text"])):
+        for i, (prompt, ids, text) in enumerate(zip(r["prompt_text"], r["tokens"], r["generated_text"])):
+            print(f"[{i}] prompt: {prompt!r}")
             print(f"[{i}] ids: {ids}")
             print(f"[{i}] text: {text!r}")
     rows = [
         ("model", f"{r['model']['name']} ({_count(r['model']['params'])} params, "
                   f"{_count(r['model']['active_params'])} active, experts {r['model']['expert_format']})"),
+        ("weights", r["weights"] + (": the text is noise" if r["weights"].startswith("random") else "")),
         ("device", f"{r['device']['kind']} ({r['device']['platform']}), mesh {r['mesh']}"),
         ("kernels", ", ".join(f"{op}={impl}" for op, impl in r["kernels"].items())),
-        *[(f"  {op_impl} fell back", whys[0] + (f" (+{len(whys) - 1} more in --output)" if len(whys) > 1 else ""))
+        *[(f"  {op_impl} fell back", whys[0] + (f" (+{len(whys) - 1} more: all in --output's JSON)" if len(whys) > 1 else ""))
           for op_impl, whys in r["fallbacks"].items()],
         ("batch x new tokens", f"{len(r['tokens'])} x {len(r['tokens'][0])}"),
         ("compile", f"{r['compile_s']:.2f} s"),
         ("prefill", f"{r['prefill_s'] * 1e3:.1f} ms"),
-        ("decode", f"{r['decode_s'] * 1e3:.1f} ms over {r['decode_steps']} steps ({r['step_ms']:.2f} ms/step)"),
-        ("decode tokens/s", f"{r['decode_tokens_per_s']:.1f}"),
+        ("decode", f"{r['decode_s'] * 1e3:.1f} ms over {r['decode_steps']} steps ({_num(r['step_ms'], '.2f')} ms/step)"),
+        ("decode tokens/s", _num(r["decode_tokens_per_s"], ".1f")),
         ("bytes / decode step", f"{r['bytes_per_decode_step'] / 1e6:.3f} MB"),
-        ("achieved bandwidth", f"{r['achieved_Bps'] / 1e9:.2f} GB/s of {r['device']['copy_bandwidth_Bps'] / 1e9:.1f} GB/s "
-                               f"measured copy ({100 * r['roofline_fraction']:.1f}% of roofline)"),
+        ("achieved bandwidth", f"{_num(r['achieved_Bps'], '.2f', 1e-9)} GB/s of {r['device']['copy_bandwidth_Bps'] / 1e9:.1f} "
+                               f"GB/s measured copy ({_num(r['roofline_fraction'], '.1f', 100)}% of roofline)"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

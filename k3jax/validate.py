@@ -356,8 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", action="store_true", help="whole-model backend parity instead of per-op kernels")
     p.add_argument("--preset", default="k3-tiny", help="--model: preset name or checkpoint directory")
     p.add_argument("--backends", default="pallas,cute", help="--model: backends compared with xla")
-    p.add_argument("--steps", type=int, default=64, help="--model: greedy decode steps")
-    p.add_argument("--batch", type=int, default=1, help="--model: sequences")
+    p.add_argument("--steps", type=int, default=64, help="--model: greedy decode steps (default 64)")
+    p.add_argument("--batch", type=int, default=1, help="--model: sequences (default 1)")
     p.add_argument("--experts", choices=EXPERT_CHOICES, help="--model: routed-expert storage (default: the preset's)")
     p.add_argument("--float32-floor", action="store_true",
                    help="--model: also run XLA in float32 as a noise-floor control (the dense weights in float32)")
@@ -365,11 +365,12 @@ def main(argv=None) -> int:
                    help="--model: skip the router-ulp control rows (the default noise floor)")
     p.add_argument("--per-op", action="store_true",
                    help="--model: compare each op's kernel alone (on top of XLA) instead of whole backends")
-    p.add_argument("--backend", default="pallas", choices=[b for b in BACKENDS if b != "xla"])
+    p.add_argument("--backend", default="pallas", choices=[b for b in BACKENDS if b != "xla"],
+                   help="per-op mode: the kernels to check against their references (default pallas)")
     p.add_argument("--op", action="append", help="op name (repeatable); default: every op")
     p.add_argument("--sizes", default=None, help="comma list of small,k3 (default: small on CPU, both on GPU)")
-    p.add_argument("--repeats", type=int, default=2, help="reruns for the determinism check")
-    p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md)")
+    p.add_argument("--repeats", type=int, default=2, help="reruns for the determinism check (default 2)")
+    p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md; default validate_report)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="per-op mode: start no case after this many seconds (the rest are listed as not run)")
     a = p.parse_args(argv)

@@ -134,19 +134,36 @@ def check_int(name: str, value, minimum: int | None = None) -> int:
     return int(value)
 
 
-def config_of(path_or_preset: str, **config_changes) -> K3Config:
-    """The K3Config `from_pretrained(path_or_preset, **config_changes)` builds, without weights
-    (a preset, or a checkpoint directory's config.json): for checks before a long load."""
-    if os.path.isdir(path_or_preset):
+SOURCE_KINDS = ("auto", "preset", "checkpoint")
+
+
+def _is_checkpoint(path_or_preset: str, source: str) -> bool:
+    """Whether `path_or_preset` names a checkpoint directory: `source` "auto" - when a directory
+    exists there (else a preset); "checkpoint" - it must be one; "preset" - never (a folder that
+    happens to share a preset's name is not read)."""
+    if source not in SOURCE_KINDS:
+        raise ValueError(f"source={source!r}: choose from {', '.join(SOURCE_KINDS)}")
+    if source == "checkpoint" and not os.path.isdir(path_or_preset):
+        raise FileNotFoundError(f"checkpoint {path_or_preset!r} " + (
+            "is a file, not a checkpoint directory" if os.path.exists(path_or_preset) else "does not exist"))
+    return source == "checkpoint" or (source == "auto" and os.path.isdir(path_or_preset))
+
+
+def config_of(path_or_preset: str, *, source: str = "auto", **config_changes) -> K3Config:
+    """The K3Config `from_pretrained(path_or_preset, source=source, **config_changes)` builds,
+    without weights (a preset, or a checkpoint directory's config.json): for checks before a long load."""
+    if _is_checkpoint(path_or_preset, source):
         from k3jax.checkpoint import checkpoint_config
         return checkpoint_config(path_or_preset, **config_changes)
-    if path_or_preset not in PRESETS and os.sep in path_or_preset:
+    if source == "auto" and path_or_preset not in PRESETS and os.sep in path_or_preset:
         raise FileNotFoundError(f"checkpoint directory {path_or_preset!r} does not exist")
     return get_preset(path_or_preset, **config_changes)
 
 
-def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mesh=None, **config_changes) -> K3Model:
-    """A model from a preset name (random weights from `seed`) or a checkpoint directory.
+def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mesh=None, source: str = "auto",
+                    **config_changes) -> K3Model:
+    """A model from a preset name (random weights from `seed`) or a checkpoint directory: an
+    existing directory wins unless `source` says which it is ("preset" / "checkpoint").
 
     Random weights are drawn on the default device directly in their final dtype (nothing large
     is staged in host memory). `config_changes` override K3Config fields, e.g.
@@ -163,11 +180,11 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
     if mesh is not None:
         from k3jax import sharding
         mesh = sharding.as_mesh(mesh)
-    if os.path.isdir(path_or_preset):
+    if _is_checkpoint(path_or_preset, source):
         from k3jax.checkpoint import load_hf_checkpoint
         target = None if mesh is None else sharding.checkpoint_sharding(mesh)
         return load_hf_checkpoint(path_or_preset, dtype=dtype, sharding=target, mesh=mesh, **config_changes)
-    cfg = config_of(path_or_preset, **config_changes)
+    cfg = config_of(path_or_preset, source=source, **config_changes)
     check_fits(cfg, dtype, mesh=mesh)
     if mesh is not None:
         return sharding.create_sharded(lambda: K3Model(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), mesh)

@@ -53,6 +53,8 @@ def test_unknown_preset(capsys):
     (["--preset", "kimi-linear-tiny", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--preset", "k3-full"], "needs ~"),
     (["--checkpoint", "/nonexistent/dir"], "does not exist"),
+    (["--checkpoint", "k3-small"], "checkpoint 'k3-small' does not exist"),      # a preset name is no directory
+    (["--checkpoint", __file__], "is a file, not a checkpoint directory"),
     (["--processes", "2"], "--processes needs --mesh"),
     (["--processes", "0", "--mesh", "ep=2"], "--processes must be >= 1"),
     (["--experts", "mxfp4-tiles"], "moe_hidden_size: must be a multiple of 128 for expert_layout='tiles'"),
@@ -60,6 +62,30 @@ def test_unknown_preset(capsys):
 def test_error_paths_exit_2_with_one_line(capsys, argv, needle):
     assert decode.main(argv) == 2
     one_line_error(capsys, needle)
+
+
+def test_preset_flag_never_reads_a_folder_of_that_name(monkeypatch, tmp_path):
+    """A directory named like the preset (checkpoints/k3-tiny) does not stand in for it."""
+    from k3jax.presets import get_preset
+    from k3jax.weights import config_of
+    (tmp_path / "k3-tiny").mkdir()                      # empty: reading it would fail
+    monkeypatch.chdir(tmp_path)
+    assert decode.model_source(decode.build_parser().parse_args([])) == ("k3-tiny", "preset")
+    assert config_of("k3-tiny", source="preset") == get_preset("k3-tiny")
+    with pytest.raises(Exception, match="no config.json"):
+        config_of("k3-tiny")                            # the API's "auto": an existing directory wins
+
+
+def test_convert_names_its_flags_and_presets(capsys, tmp_path):
+    from k3jax.convert import main
+    for argv, needle in ((["synthetic", str(tmp_path / "a"), "--preset", "k3-nope"], "unknown preset 'k3-nope'"),
+                         (["synthetic", str(tmp_path), "--preset", "k3-tiny"], "exists; pass --overwrite to replace it"),
+                         (["hf-to-orbax", str(tmp_path / "missing"), str(tmp_path / "b")],
+                          "checkpoint directory does not exist")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("k3jax.convert: error:") and needle in err, err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("tool,argv,needle", [

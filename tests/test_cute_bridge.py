@@ -164,6 +164,16 @@ def test_clear_errors_without_library_or_gpu(monkeypatch, tmp_path):
         loader.load()
 
 
+def test_build_without_the_cute_dsl_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from cute_bridge import build
+    monkeypatch.setitem(sys.modules, "nvidia_cutlass_dsl", None)      # import fails as when not installed
+    assert build.main(["--force", "--out", str(tmp_path)]) == 2
+    assert "`bash scripts/setup.sh cute` installs it" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_stale_library_is_refused(library, monkeypatch):
     monkeypatch.setattr(loader, "_library", None)
     monkeypatch.setenv("K3JAX_CUTE_LIB", str(library))
