@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 try:
     import torch  # noqa: E402
 except ImportError:
-    sys.exit("benchmarks/torch_reference.py needs PyTorch and transformers: bash scripts/setup.sh torch "
-             "(or pip install -e .[torch])")
+    torch = None    # --help works without it; main() says how to install it
+INSTALL_HINT = ("benchmarks/torch_reference.py needs PyTorch and transformers: bash scripts/setup.sh torch "
+                "(or pip install -e .[torch])")
 
 from k3jax import atomic  # noqa: E402
 from k3jax.cli import int_list  # noqa: E402
@@ -299,20 +300,22 @@ def bench_ops(a, device) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--model", action="store_true")
-    mode.add_argument("--ops", action="store_true")
+    mode.add_argument("--model", action="store_true", help="transformers' decode step per batch and context")
+    mode.add_argument("--ops", action="store_true", help="cuBLAS GEMV / grouped-GEMM experts at K3 shapes")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", default="kimi-linear-tiny")
     src.add_argument("--checkpoint", default=None, help="a kimi_linear HF checkpoint directory")
-    p.add_argument("--batches", default="1,8,32,128")
-    p.add_argument("--contexts", default="1024,8192,32768")
+    p.add_argument("--batches", default="1,8,32,128", help="batch sizes (default 1,8,32,128)")
+    p.add_argument("--contexts", default="1024,8192,32768", help="--model: cached tokens per sequence")
     p.add_argument("--settings", default=None, help=f"subset of {','.join(SETTINGS)} (default: all on GPU, eager on CPU)")
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=32, help="--model: timed steps per point (default 32)")
+    p.add_argument("--warmup", type=int, default=3, help="--model: untimed steps first (default 3)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops: small is a CPU smoke run")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/torch-<mode>-<date>.json)")
     a = p.parse_args(argv)
+    if torch is None:
+        sys.exit(INSTALL_HINT)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -760,6 +760,13 @@ def main(argv=None) -> int:
     return run_cli("k3jax.bench", lambda: _main(a, command))
 
 
+def _warn_without_gpu() -> None:
+    """Once the arguments are checked: CPU timings are not the GPU kernels'."""
+    if jax.default_backend() != "gpu":
+        print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
+              file=sys.stderr)
+
+
 def parse_ablation(text: str) -> dict[str, str]:
     """"op=impl,op=impl" -> {op: impl}; ValueError unless each op has that implementation here."""
     from k3jax.backend import XLA
@@ -791,9 +798,6 @@ def _main(a: argparse.Namespace, command: str) -> int:
         at_least("--budget-s", a.budget_s, 0)      # 0: every point a skipped row
     if a.out:
         check_writable(a.out, "--out")
-    if jax.default_backend() != "gpu":
-        print("warning: no GPU; timings measure the CPU (and the Pallas interpreter), not GPU kernels",
-              file=sys.stderr)
     if a.model:
         grans = known(a.granularities.split(","), GRANULARITIES, "granularity")
         check_preset(a.preset)
@@ -805,6 +809,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         batches, contexts = int_list(a.batches or DEFAULT_BATCHES, "--batches"), int_list(a.contexts, "--contexts")
         out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
         save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
+        _warn_without_gpu()
         result = bench_model(a.preset, backends or list(BACKENDS), grans, batches, contexts,
                              expert_formats=formats,
                              dtype=a.dtype, mesh=a.mesh,
@@ -828,10 +833,11 @@ def _main(a: argparse.Namespace, command: str) -> int:
         re.compile(a.cases or "")
     except re.error as e:
         raise ValueError(f"--cases {a.cases!r} is not a regular expression: {e}") from None
+    _warn_without_gpu()
     result = bench_ops(ops, backends or ["xla", "pallas"], batches, a.sizes, on_row=save, cases=a.cases)
     save(result)
     print(summary_table(result))
-    print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e12:.2f} TB/s; results: {out}")
+    print(f"copy bandwidth {result['meta']['copy_bandwidth'] / 1e9:.1f} GB/s; results: {out}")
     return 0 if all(r["correct"] for r in result["rows"]) else 1
 
 

@@ -221,3 +221,16 @@ def test_decode_stops_at_the_models_eos_unless_ignored():
     hf = copy.deepcopy(PRESETS["k3-full"])
     hf["text_config"]["eos_token_id"] = [163586, 163585]
     assert K3Config.from_hf(hf).eos_token_ids == (163586, 163585)
+
+
+def test_torch_reference_shows_help_and_names_its_install_without_torch(monkeypatch, capsys):
+    import importlib.util
+    monkeypatch.setitem(sys.modules, "torch", None)         # as on a machine without the torch extra
+    spec = importlib.util.spec_from_file_location("torch_reference", os.path.join(ROOT, "benchmarks", "torch_reference.py"))
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    with pytest.raises(SystemExit) as exc:
+        ref.main(["--help"])
+    assert exc.value.code == 0 and "--model" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="bash scripts/setup.sh torch"):
+        ref.main(["--ops"])
