@@ -9,9 +9,10 @@ Rows (device time per call: CUPTI kernel sums on a GPU via k3jax.bench.time_rota
 rotated past L2; fraction of the measured copy rate, k3jax.costs.copy_bandwidth):
   state_update_b{B}       XLA: the KDA recurrent state [B, H, d, d] float32 scaled in place (donated):
                           kda_decode's state bytes, read and written once, in one fusion;
-  state_slabs_b{B}_s{S}   Pallas (Mosaic GPU): kda_decode's grid (B, H, S) with S its `plan`'s splits
-                          and 4, each program TMA-loading its [d, d/S] column slab to SMEM and storing
-                          it back in place: the kernel's data movement without its math;
+  state_slabs_b{B}_s{S}   Pallas (Mosaic GPU): one program per (sequence, head, split), as kda_decode's
+                          grid, with S its `plan`'s splits and 4, each TMA-loading its [d, d/S] column
+                          slab to SMEM and storing it back in place: the kernel's data movement without
+                          its math;
   state_slabs_persistent_b{B}_s{S}
                           the same slabs moved by one program per SM (at most), each streaming its
                           share through 4 SMEM slots: what a persistent kda_decode would move;
@@ -27,6 +28,7 @@ run in interpret mode and the times are wall clock: only the GPU's numbers are c
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -73,32 +75,19 @@ def mla_tensor_ceilings(heads: int, latent: int, rope: int, device: str = "NVIDI
 
 
 def slab_copy(state: jax.Array, splits: int) -> jax.Array:
-    """state [B, H, d, d] float32 -> the same values, moved as kda_decode moves its state: grid (B, H,
-    splits), each program's [d, d / splits] column slab GMEM -> SMEM -> GMEM by TMA, in place."""
-    b, h, d, _ = state.shape
-    cols = d // splits
-
-    def program(state_g, slab_s, bar):
-        bi, hi, si = (jax.lax.axis_index(n) for n in "bhs")
-        slab_g = state_g.at[bi, hi, :, pl.ds(si * cols, cols)]
-        plgpu.copy_gmem_to_smem(slab_g, slab_s, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        plgpu.copy_smem_to_gmem(slab_s, slab_g)
-        plgpu.wait_smem_to_gmem(0)
-
-    ref = jax.new_ref(state)
-    plgpu.kernel(lambda s: pl.run_scoped(lambda slab_s, bar: program(s, slab_s, bar),
-                                         plgpu.SMEM((d, cols), jnp.float32), plgpu.Barrier(num_barriers=1)),
-                 out_type=(), grid=(b, h, splits), grid_names=("b", "h", "s"),
-                 interpret=mgpu.interpret_params())(ref)
-    return jax.freeze(ref)
+    """state [B, H, d, d] float32 -> the same values, moved as kda_decode moves its state: one
+    program per (sequence, head, split) item, its [d, d / splits] column slab GMEM -> SMEM -> GMEM
+    by TMA, in place (`persistent_slab_copy` with a program, and a slot, per item)."""
+    b, h, _, _ = state.shape
+    return persistent_slab_copy(state, splits, programs=b * h * splits, slots=1)
 
 
 def persistent_slab_copy(state: jax.Array, splits: int, programs: int, slots: int = 4) -> jax.Array:
-    """slab_copy's items (sequence, head, split) moved by `programs` programs instead, program p
-    taking items p, p + programs, ...: its first `slots` slab loads issued at once, each slab stored
-    back as soon as it arrives and its slot refilled with the program's next item once that store has
-    read it - the data movement of a persistent kda_decode, whose stores overlap later items' work."""
+    """state [B, H, d, d] float32 -> the same values, its (sequence, head, split) items' [d, d / splits]
+    column slabs moved GMEM -> SMEM -> GMEM by TMA, in place, by `programs` programs, program p taking
+    items p, p + programs, ...: its first `slots` slab loads issued at once, each slab stored back as
+    soon as it arrives and its slot refilled with the program's next item once that store has read
+    it - with fewer programs than items, the data movement of a persistent kda_decode."""
     b, h, d, _ = state.shape
     cols = d // splits
     items = b * h * splits
@@ -165,15 +154,12 @@ def measure(batches: list[int], heads: int, head_dim: int, weight_mib: tuple[int
         rows.append(_row(f"state_update_b{b}", nbytes, time_rotating(lambda s: s * 0.5, states, rounds, donate=(0,)),
                          copy_bw, log))
         for splits in sorted({kda_decode.plan(b, heads, mgpu.num_sms()), 4}):
-            name = f"state_slabs_b{b}_s{splits}"
-            run = lambda s, splits=splits: slab_copy(s, splits)       # noqa: E731
-            _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
-            rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
             programs = min(b * heads * splits, mgpu.num_sms())
-            name = f"state_slabs_persistent_b{b}_s{splits}"
-            run = lambda s, splits=splits, programs=programs: persistent_slab_copy(s, splits, programs)  # noqa: E731
-            _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
-            rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
+            for name, run in ((f"state_slabs_b{b}_s{splits}", functools.partial(slab_copy, splits=splits)),
+                              (f"state_slabs_persistent_b{b}_s{splits}",
+                               functools.partial(persistent_slab_copy, splits=splits, programs=programs))):
+                _check(name, jax.jit(run)(jnp.copy(states[0][0])), states[0][0])
+                rows.append(_row(name, nbytes, time_rotating(run, states, rounds, donate=(0,)), copy_bw, log))
     for mib in weight_mib:
         n = mib * 2 ** 20 // 2
         mats = [(jax.random.normal(jax.random.fold_in(key, 100 + i), (n // 1024, 1024), jnp.bfloat16),)

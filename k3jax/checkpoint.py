@@ -198,9 +198,11 @@ def checkpoint_config(path: str, hf_config: dict | None = None, **config_changes
 
 
 def read_hf_config(path: str) -> dict:
+    """config.json of the checkpoint directory `path`; CheckpointError naming a missing directory,
+    a file given for one, a missing or malformed config.json."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: " + ("is a file, not a checkpoint directory" if os.path.exists(path)
-                                             else "checkpoint directory does not exist"))
+        raise CheckpointError(f"checkpoint {path!r} " + ("is a file, not a checkpoint directory" if os.path.exists(path)
+                                                         else "does not exist"))
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"{path}: no config.json in the checkpoint directory")

@@ -139,13 +139,11 @@ SOURCE_KINDS = ("auto", "preset", "checkpoint")
 
 def _is_checkpoint(path_or_preset: str, source: str) -> bool:
     """Whether `path_or_preset` names a checkpoint directory: `source` "auto" - when a directory
-    exists there (else a preset); "checkpoint" - it must be one; "preset" - never (a folder that
-    happens to share a preset's name is not read)."""
+    exists there (else a preset); "checkpoint" - always (reading it names a missing directory or a
+    file: checkpoint.read_hf_config); "preset" - never (a folder that happens to share a preset's
+    name is not read)."""
     if source not in SOURCE_KINDS:
         raise ValueError(f"source={source!r}: choose from {', '.join(SOURCE_KINDS)}")
-    if source == "checkpoint" and not os.path.isdir(path_or_preset):
-        raise FileNotFoundError(f"checkpoint {path_or_preset!r} " + (
-            "is a file, not a checkpoint directory" if os.path.exists(path_or_preset) else "does not exist"))
     return source == "checkpoint" or (source == "auto" and os.path.isdir(path_or_preset))
 
 

@@ -39,6 +39,9 @@ TORCH_PRESET=${TORCH_PRESET:-kimi-linear-48b-h200}
 OPS=${OPS:-}
 op_flags=(); for op in $OPS; do op_flags+=(--op "$op"); done
 ncu_clock=(); [ -n "${NCU_CLOCK:-}" ] && ncu_clock=(--clock-control "$NCU_CLOCK")
+# The Nsight Compute sections both ncu phases collect (they profiled on the H200 in session 24).
+ncu_sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+              --section Occupancy --section WarpStateStats)
 mkdir -p "$OUT"
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(parity model)
@@ -87,20 +90,17 @@ for phase in "${phases[@]}"; do
               run_phase tiles-model 280 python -m k3jax.bench --model --preset "$PRESET" --batches "$BATCHES" \
                 --contexts 1024 --backends pallas,cute --granularities per-op --expert-formats mxfp4-rows,mxfp4-tiles \
                 --steps 16 --budget-s 230 --no-progress --out "$OUT/tiles-model.json" ;;
-    ncu-mla)  # Sections that profiled on the H200 in session 24 (ncu locks the SM clock at its base, 1.28 GHz,
-              # unless NCU_CLOCK=none).
+    ncu-mla)  # ncu locks the SM clock at its base, 1.28 GHz, unless NCU_CLOCK=none.
               for case in ctx1024_b1 ctx32768_b8; do
                 run_phase "ncu-mla-$case" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-                  ncu "${ncu_clock[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                  --section Occupancy --section WarpStateStats \
+                  ncu "${ncu_clock[@]}" "${ncu_sections[@]}" \
                   --metrics breakdown:sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,lts__t_bytes.sum \
                   -k "regex:mla_attend" -c 1 python benchmarks/ncu_op.py --op mla_decode --case "$case" --impl pallas --calls 0
               done ;;
     ncu-moe)  # The MXFP4 expert kernels at batch 1, experts in tiles: Pallas (65% of the copy rate) vs CuTe (77%).
               for impl in pallas cute; do
                 run_phase "ncu-moe-$impl" 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-                  ncu "${ncu_clock[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                  --section Occupancy --section LaunchStats --section WarpStateStats --section InstructionStats \
+                  ncu "${ncu_clock[@]}" "${ncu_sections[@]}" --section LaunchStats --section InstructionStats \
                   -k "regex:gate_up|down" -c 2 python benchmarks/ncu_op.py --op moe_experts --case k3_e448_tiles_b1 \
                   --impl "$impl" --calls 0
               done ;;

@@ -81,7 +81,7 @@ def test_convert_names_its_flags_and_presets(capsys, tmp_path):
     for argv, needle in ((["synthetic", str(tmp_path / "a"), "--preset", "k3-nope"], "unknown preset 'k3-nope'"),
                          (["synthetic", str(tmp_path), "--preset", "k3-tiny"], "exists; pass --overwrite to replace it"),
                          (["hf-to-orbax", str(tmp_path / "missing"), str(tmp_path / "b")],
-                          "checkpoint directory does not exist")):
+                          f"checkpoint {str(tmp_path / 'missing')!r} does not exist")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("k3jax.convert: error:") and needle in err, err
