@@ -109,6 +109,9 @@ def persistent_slab_copy(state: jax.Array, splits: int, programs: int, slots: in
         def _(j):
             slot = j % slots
             plgpu.barrier_wait(bar.at[slot])
+            # kda_decode fences here too (it writes the slab from registers first); without it the
+            # race detector does not order this store after the load of the same bytes.
+            plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(slab_s.at[slot], slab(j))
 
             @pl.when(j + slots < mine)

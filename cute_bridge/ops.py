@@ -70,18 +70,29 @@ def linear(x: jax.Array, weight: jax.Array, *, min_rows: int = GEMV_MIN_ROWS) ->
         f"{rows} rows > {GEMV_ROWS[-1]} (a GEMV covers decode batches)" if rows > GEMV_ROWS[-1] or rows == 0 else None)
     if reason:
         return fallback("linear", "cute", reason)(x, weight)
-    r = next(r for r in GEMV_ROWS if r >= rows)
-    x2 = jnp.pad(x.reshape(rows, k), ((0, r - rows), (0, 0)))
     n = weight.shape[0]
-    s = k_splits(n, k)
-    if r == 1 and n >= SIMT_MIN_ROWS:
-        (y,) = loader.call("gemv_r1", x2, weight)                # one row: the SIMT kernel, no split
-    elif s == 1 and r > 1:
-        (y,) = loader.call(f"gemv_r{r}", x2, weight)
+    name, r, splits = gemv_kernel(rows, n, k)
+    x2 = jnp.pad(x.reshape(rows, k), ((0, r - rows), (0, 0)))
+    if splits is None:
+        (y,) = loader.call(name, x2, weight)                     # [r, n] bf16
     else:
-        (part,) = loader.call(f"gemv_split_r{r}", x2, weight, dims={"S": s})
+        (part,) = loader.call(name, x2, weight, dims={"S": splits})     # [S, r, n] float32 partials
         y = part.sum(0).astype(x.dtype)
     return y[:rows].reshape(*x.shape[:-1], n)
+
+
+def gemv_kernel(rows: int, n: int, k: int) -> tuple[str, int, int | None]:
+    """The kernel `linear` runs for `rows` (1-8) rows of x against w [n, k] -> (name, rows padded
+    to r of GEMV_ROWS, K slices or None): one row and n >= SIMT_MIN_ROWS: gemv_r1 (SIMT); else
+    k_splits(n, k) slices, one from r = 2 up: gemv_r{r}; otherwise gemv_split_r{r} (its float32
+    partials are summed in XLA)."""
+    r = next(r for r in GEMV_ROWS if r >= rows)
+    splits = k_splits(n, k)
+    if r == 1 and n >= SIMT_MIN_ROWS:
+        return "gemv_r1", r, None
+    if splits == 1 and r > 1:
+        return f"gemv_r{r}", r, None
+    return f"gemv_split_r{r}", r, splits
 
 
 def k_splits(n: int, k: int) -> int:

@@ -161,6 +161,7 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                 call = spec.runner(case, backend)
                 if call is None:
                     continue
+                registry.clear_fallbacks()
                 try:
                     err = spec.error(jax.jit(call)(*first), ref, first, kw)
                     t = time_rotating(call, arg_sets, donate=spec.donate)
@@ -176,11 +177,12 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
                        "tb_per_s": nbytes / t["device_s"] / 1e12,
                        "frac_copy_bw": nbytes / t["device_s"] / copy_bw,
                        "error": err, "tolerance": spec.allowed(ref, first, kw),
-                       "correct": bool(err <= spec.allowed(ref, first, kw))}
+                       "correct": bool(err <= spec.allowed(ref, first, kw)), "fallbacks": registry.fallbacks()}
                 rows.append(row)
+                fell_back = "; ".join(f"{k}: {', '.join(w)}" for k, w in row["fallbacks"].items())
                 log(f"{op:12s} {case.name:24s} {backend:7s} {t['device_s'] * 1e6:9.1f} us "
                     f"{row['tb_per_s']:5.2f} TB/s {row['frac_copy_bw']:6.1%}  err {err:.1e}"
-                    f"{'' if row['correct'] else '  WRONG'}")
+                    f"{'' if row['correct'] else '  WRONG'}{f'  (reference ran: {fell_back})' if fell_back else ''}")
                 if "top_kernels" in t:
                     log("    top kernels: " + "; ".join(f"{n[:48]} {sec * 1e6:.1f} us" for n, sec in t["top_kernels"][:3]))
                 if on_row:
@@ -192,7 +194,8 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
 def summary_table(result: dict) -> str:
     """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend (every
     backend present, xla first; torch rows from benchmarks/torch_reference.py --ops included),
-    and the best k3jax kernel's speedup over XLA."""
+    and the best k3jax kernel's speedup over XLA. A backend whose kernel did not take the case
+    (its reference ran: the row's `fallbacks`) shows "ref" instead and is left out of the speedup."""
     by_case: dict[tuple, dict] = {}
     for r in result["rows"]:
         if "device_s" not in r:
@@ -202,10 +205,11 @@ def summary_table(result: dict) -> str:
     head = "| op | case | batch | MB | " + " | ".join(f"{b} us (TB/s, % copy)" for b in backends) + " | best vs xla |"
     lines = [head, "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: |"]
     for (op, case, b), rs in by_case.items():
-        cells = [f"{rs[k]['device_s'] * 1e6:.1f} ({rs[k]['tb_per_s']:.2f}, {rs[k]['frac_copy_bw']:.0%})"
-                 if k in rs else "-" for k in backends]
-        x = rs.get("xla")
-        others = [r["device_s"] for k, r in rs.items() if k not in ("xla", "torch")]   # k3jax's kernels
+        ran = {k: r for k, r in rs.items() if f"{op}/{k}" not in r.get("fallbacks", {})}
+        cells = [f"{ran[k]['device_s'] * 1e6:.1f} ({ran[k]['tb_per_s']:.2f}, {ran[k]['frac_copy_bw']:.0%})"
+                 if k in ran else "ref" if k in rs else "-" for k in backends]
+        x = ran.get("xla")
+        others = [r["device_s"] for k, r in ran.items() if k not in ("xla", "torch")]   # k3jax's kernels
         sp = f"{x['device_s'] / min(others):.2f}x" if x and others else "-"
         lines.append(f"| {op} | {case} | {b} | {next(iter(rs.values()))['bytes'] / 1e6:.1f} | "
                      f"{' | '.join(cells)} | {sp} |")

@@ -198,10 +198,15 @@ def kda_inputs(window, conv_w, f, beta_logit, a_log, dt_bias, num_heads: int, lo
     b, t = f.shape[:2]
     d = f.shape[-1] // num_heads
     q, k, v = jnp.split(short_conv(window, conv_w).reshape(b, t, 3, num_heads, d), 3, axis=2)
-    q = l2_normalize(q[:, :, 0]) * d ** -0.5
-    k = l2_normalize(k[:, :, 0])
+    q, k, beta = kda_qk_beta(q[:, :, 0], k[:, :, 0], beta_logit)
     g = kda_decay(f.reshape(b, t, num_heads, d), a_log, dt_bias.reshape(num_heads, d), lower_bound)
-    return q, k, v[:, :, 0], g, jax.nn.sigmoid(beta_logit.astype(f32))
+    return q, k, v[:, :, 0], g, beta
+
+
+def kda_qk_beta(q, k, beta_logit):
+    """The delta rule's query, key and write strength from the short conv's q, k [..., d] and
+    beta_logit: L2-normalised q scaled by d^-0.5, L2-normalised k, sigmoid(beta_logit) in float32."""
+    return l2_normalize(q) * q.shape[-1] ** -0.5, l2_normalize(k), jax.nn.sigmoid(beta_logit.astype(f32))
 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
@@ -287,6 +292,14 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
 
 
 # ------------------------------------------------------------------ MoE routing
+def route_scores(x, weight, bias, activation: str):
+    """The router's float32 scores [N, E] (sigmoid or softmax of x [N, D] @ weight[E, D].T) and the
+    values experts are selected by: scores + bias [E]."""
+    logits = jnp.einsum("nd,ed->ne", x.astype(f32), weight.astype(f32), precision=EXACT)
+    scores = jax.nn.sigmoid(logits) if activation == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    return scores, scores + bias.astype(f32)
+
+
 def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
           scaling: float, n_group: int = 1, topk_group: int = 1):
     """Router: float32 logits -> scores; select top-k of (scores + bias); weight by the plain scores.
@@ -294,9 +307,7 @@ def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
     x [N, D], weight [E, D], bias [E] (used for selection only). Ties go to the lower expert id.
     Returns (ids [N, k] int32, weights [N, k] float32).
     """
-    logits = jnp.einsum("nd,ed->ne", x.astype(f32), weight.astype(f32), precision=EXACT)
-    scores = jax.nn.sigmoid(logits) if activation == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    choice = scores + bias.astype(f32)
+    scores, choice = route_scores(x, weight, bias, activation)
     if n_group > 1 and topk_group < n_group:
         grouped = choice.reshape(choice.shape[0], n_group, -1)
         group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                     # [N, G]

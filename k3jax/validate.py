@@ -6,7 +6,8 @@
 On a GPU the kernels compile and the sweep defaults to small + real K3 shapes; elsewhere they
 run in Mosaic GPU interpret mode (NaN-initialised memory, race detector on) over the small
 shapes. Per op and case the report gives: shapes, max error vs tolerance (as a fraction of the
-output scale), determinism over repeated runs (bitwise), races found, and pass/fail. It is
+output scale), determinism over repeated runs (bitwise), races found, and PASS / FAIL, or REF
+where the kernel does not cover the case and its reference ran (said why). It is
 written as PREFIX.json and PREFIX.md. Exit status 1 if anything failed.
 
 `--model`: whole-model parity of backends. The XLA backend decodes `--steps` greedy tokens
@@ -54,11 +55,24 @@ class CaseResult:
     # Per output leaf: max |out - ref| / max |ref| (before any per-output allowance), so a
     # multi-output op's report says which output is off.
     output_errors: tuple[float, ...] = ()
+    # "op/impl: why" of every call that ran its reference instead of a kernel (registry.fallback).
+    fallbacks: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
         return bool(np.isfinite(self.error) and self.error <= self.tolerance
                     and self.deterministic and not self.races and not self.note)
+
+    @property
+    def kernel_ran(self) -> bool:
+        """False when the op's kernel did not take the case and its reference ran instead (the
+        comparison then says nothing about the kernel)."""
+        return not any(f.startswith(f"{self.op}/{self.impl}:") for f in self.fallbacks)
+
+    @property
+    def status(self) -> str:
+        """PASS, FAIL, or REF: within tolerance because the reference ran (the kernel does not cover it)."""
+        return "FAIL" if not self.passed else "PASS" if self.kernel_ran else "REF"
 
 
 def _shapes(args) -> str:
@@ -72,7 +86,7 @@ def _bitwise_equal(a, b) -> bool:
 
 def check_case(spec, impl: str, fn, case, *, seed: int = 0, repeats: int = 2) -> CaseResult:
     """One kernel on one case: error vs reference, bitwise determinism over `repeats` reruns,
-    races (interpret mode). Kernels are traced fresh (a new lambda) so interpret/compile and
+    races (interpret mode), and the calls that ran the reference instead (`fallbacks`). Kernels are traced fresh (a new lambda) so interpret/compile and
     race-detection settings apply."""
     from pallas_kernels import mgpu, registry
 
@@ -83,6 +97,7 @@ def check_case(spec, impl: str, fn, case, *, seed: int = 0, repeats: int = 2) ->
     interpreted = mgpu.interpret_params() is not None
     note = ""
     races = None
+    registry.clear_fallbacks()
     try:
         with mgpu.race_detection():
             run = jax.jit(lambda *a: fn(*a, **case.kernel_kw))
@@ -98,9 +113,15 @@ def check_case(spec, impl: str, fn, case, *, seed: int = 0, repeats: int = 2) ->
             mgpu.reset_interpreter()
         note = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         deterministic, error, output_errors = False, float("nan"), ()
+    fell_back = tuple(f"{op_impl}: {why}" for op_impl, whys in registry.fallbacks().items() for why in whys)
     return CaseResult(spec.name, impl, case.name, _shapes(args), float(error),
                       float(spec.allowed(ref, args, kw)), deterministic, races,
-                      time.perf_counter() - t0, note, output_errors)
+                      time.perf_counter() - t0, note, output_errors, fell_back)
+
+
+def _ran_reference(r: CaseResult) -> str:
+    """' (reference ran: linear/cute: rows 32 > 8)' when any call of the case fell back, else ''."""
+    return f" (reference ran: {'; '.join(r.fallbacks)})" if r.fallbacks else ""
 
 
 def _per_output(r: CaseResult) -> str:
@@ -134,7 +155,7 @@ def run(backend: str = "pallas", ops: list[str] | None = None, sizes: set[str] |
             results.append(r)
             log(f"{op:14s} {case.name:{width}s} err {r.error:.2e} / tol {r.tolerance:.1e}  "
                 f"det {'yes' if r.deterministic else 'NO '}  races {r.races}  "
-                f"{'PASS' if r.passed else 'FAIL'} {r.note}{_per_output(r)}")
+                f"{r.status} {r.note}{_per_output(r)}{_ran_reference(r)}")
     if not_run:
         log(f"time budget reached: {len(not_run)} cases not run")
     return results, not_run
@@ -146,7 +167,7 @@ def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: 
     meta = {"backend": backend, "device": dev.device_kind, "platform": dev.platform,
             "mode": "compiled" if dev.platform == "gpu" else "Mosaic GPU interpret mode (race detection on)",
             "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    rows = [dict(dataclasses.asdict(r), passed=r.passed) for r in results]
+    rows = [dict(dataclasses.asdict(r), passed=r.passed, status=r.status) for r in results]
     atomic.write_json(prefix + ".json", {"meta": meta, "results": rows, "not_run": list(not_run)})
     lines = [f"# Kernel validation: backend {backend}", "",
              " | ".join(f"{k}: {v}" for k, v in meta.items()), "",
@@ -154,9 +175,11 @@ def write_report(results: list[CaseResult], prefix: str, backend: str, not_run: 
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         lines.append(f"| {r.op} | {r.case} | {r.shapes} | {r.error:.2e}{_per_output(r)} | {r.tolerance:.1e} | "
-                     f"{r.deterministic} | {r.races} | {'PASS' if r.passed else 'FAIL ' + r.note} |")
+                     f"{r.deterministic} | {r.races} | {r.status} {r.note}{_ran_reference(r)} |")
     n_fail = sum(not r.passed for r in results)
-    lines += ["", f"{len(results) - n_fail}/{len(results)} cases passed."]
+    n_ref = sum(r.status == "REF" for r in results)
+    lines += ["", f"{len(results) - n_fail}/{len(results)} cases passed"
+              + (f" ({n_ref} of them ran the reference: REF, not covered by the kernel)." if n_ref else ".")]
     if not_run:
         lines += ["", f"Not run (time budget): {', '.join(not_run)}."]
     ops = dict.fromkeys(r.op for r in results)
@@ -402,8 +425,9 @@ def _main(a: argparse.Namespace) -> int:
         raise ValueError(f"no case to run for --backend {a.backend} --op {a.op} --sizes {a.sizes}")
     write_report(results, a.out, a.backend, not_run)
     n_fail = sum(not r.passed for r in results)
-    print(f"{len(results) - n_fail}/{len(results)} passed" + (f", {len(not_run)} not run (time budget)" if not_run
-                                                              else "") + f"; report: {a.out}.md")
+    n_ref = sum(r.status == "REF" for r in results)
+    print(f"{len(results) - n_fail}/{len(results)} passed" + (f" ({n_ref} by the reference: REF)" if n_ref else "")
+          + (f", {len(not_run)} not run (time budget)" if not_run else "") + f"; report: {a.out}.md")
     return 1 if n_fail else 0
 
 

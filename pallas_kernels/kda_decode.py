@@ -156,20 +156,19 @@ def _head_math(loaded, *, lower_bound: float | None):
     [d] float32 in the loads' layout; beta: a float32 scalar), and the head's shifted conv window:
     per part (q, k, v channels) its K-1 rows (rows 1..K-2 of the old window, then the new input)."""
     parts, f, dt_bias, a_log, beta_logit = loaded
-    d = f.shape[0]
-    q = ops.l2_normalize(ops.conv_taps(*parts[0])) * d ** -0.5
-    k = ops.l2_normalize(ops.conv_taps(*parts[1]))
+    q, k, beta = ops.kda_qk_beta(ops.conv_taps(*parts[0]), ops.conv_taps(*parts[1]), beta_logit)
     v = ops.conv_taps(*parts[2])
     # ops.kda_decay's formula (either gate form), on this head's vector and scalar.
     g = ops.log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32)), lower_bound)
     window = [taps[1:] for taps, _ in parts]
-    return (q, k, v, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))), window
+    return (q, k, v, jnp.exp(g), beta), window
 
 
 def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem, b, h, cols, *,
                  lower_bound: float | None):
-    """`_head_math` of `_head_loads` for sequence b, head h, computed in `_dense`'s layout -> (q, k,
-    decay [d] in the row layout, v[cols] in the column layout, beta), as the delta rule takes them
+    """`_head_math` of `_head_loads` for sequence b, head h, computed in `_dense`'s layout -> (q, k
+    [d] in the row layout, v[cols] in the column layout, decay [d] in the row layout, beta), as the
+    delta rule takes them
     (through vec_smem [4, d] float32); the shifted window goes into win_smem [3 (q, k, v channels),
     K-1, d]."""
     d = win_smem.shape[-1]
@@ -247,7 +246,7 @@ def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
 
 
 def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-            *, num_heads: int, lower_bound: float, eps: float, splits: int):
+            *, num_heads: int, lower_bound: float | None, eps: float, splits: int):
     """-> (o [B, P] bf16: gated-normed if splits == 1, else rounded before the norm, new conv_state,
     new recurrent)."""
     b_n, km1, c3 = conv_state.shape
@@ -413,7 +412,13 @@ def cases() -> list[registry.Case]:
           for b in BENCH_BATCHES]
     kl = [registry.Case(f"kimi_linear_b{b}", _make(b, KL_HEADS, K3_D, K3_CONV), _kw(KL_HEADS, None), batch=b,
                         sizes=big) for b in KL_BATCHES]
-    return small + k3 + kl
+    # The two-kernel ablations at K3 batch 8 (docs/pallas.md): after the prep kernel (one head a
+    # program, and two: prep_group) and after XLA's prep.
+    ablations = [registry.Case(f"{name}_k3_b8", _make(8, K3_HEADS, K3_D, K3_CONV), _kw(K3_HEADS), batch=8, sizes=big,
+                               kernel_kwargs=kernel_kw)
+                 for name, kernel_kw in (("kernel_prep", (("prep", "kernel"),)), ("xla_prep", (("prep", "xla"),)),
+                                         ("kernel_prep_g2", (("prep", "kernel"), ("prep_group", 2))))]
+    return small + k3 + kl + ablations
 
 
 def cost(args, kwargs) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 H200_SMS = 132
-_state = {"force_compile": False, "detect_races": False}
+_state = {"force_compile": False, "detect_races": False, "races_seen": False}
 
 
 @contextlib.contextmanager
@@ -35,9 +35,37 @@ def compile_for_gpu():
     return _set("force_compile")
 
 
+@contextlib.contextmanager
 def race_detection():
-    """Interpret-mode kernels traced inside run with the happens-before race detector."""
-    return _set("detect_races")
+    """Interpret-mode kernels traced inside run with the happens-before race detector;
+    `races_found()` then reports on every kernel run inside the block, not only the last one."""
+    _record_each_kernels_races()
+    reset_interpreter()
+    outer = _state["races_seen"]
+    _state["races_seen"] = False
+    try:
+        with _set("detect_races"):
+            yield
+    finally:
+        _state["races_seen"] = outer or races_found()
+
+
+def _record_each_kernels_races() -> None:
+    """The interpreter starts a new race-detection state with every kernel it runs (the last
+    kernel's replaces the one before), so a race in the first of several kernels would go
+    unreported: wrap its end-of-kernel clean-up to keep what each kernel found (idempotent)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    clear = gpu_callbacks._clear_shared_memory
+    if getattr(clear, "records_races", False):
+        return
+
+    def clear_and_record():
+        if gpu_callbacks._races is not None and gpu_callbacks._races.races_found:
+            _state["races_seen"] = True
+        clear()
+
+    clear_and_record.records_races = True
+    gpu_callbacks._clear_shared_memory = clear_and_record
 
 
 def interpret_params() -> plgpu.InterpretGPUParams | None:
@@ -54,12 +82,11 @@ def trace_mode() -> tuple[bool, bool, str]:
 
 
 def races_found() -> bool:
-    """Whether the interpreter's race detector has flagged a race since the last reset."""
+    """Whether the race detector has flagged a race in any kernel run inside the current
+    `race_detection()` block (a kernel that raised included)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    try:
-        return bool(gpu_callbacks.get_races().races_found)
-    except AssertionError:          # no interpret-mode kernel with race detection has run yet
-        return False
+    races = gpu_callbacks._races
+    return _state["races_seen"] or bool(races is not None and races.races_found)
 
 
 def reset_interpreter() -> None:

@@ -37,8 +37,9 @@ _loaded = False
 # a bf16 value x is at most 2^-7 |x|, so 2^-7 of the largest magnitude admits a one-ulp
 # difference anywhere (two ulps for elements at most half the largest). Kernels measured on the
 # H200 reach 0.65-0.93 of it (kda_decode K3 batch 1: 7.3e-3). float32 outputs (states, router
-# weights) allow float32 summation-order drift over reductions of up to ~10^4 terms.
-TOLERANCE: dict[str, float] = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -9, "float32": 1e-4}
+# weights) allow float32 summation-order drift over reductions of up to ~10^4 terms. No kernel
+# returns float16 (the models run bf16 or float32), so there is no entry for it.
+TOLERANCE: dict[str, float] = {"bfloat16": 2.0 ** -7, "float32": 1e-4}
 
 
 @dataclasses.dataclass(frozen=True)

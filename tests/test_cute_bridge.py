@@ -82,6 +82,23 @@ def test_kernel_lowers_and_exports_for_cuda(name, avals, dims):
     assert _calls(text, name)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 1536, 7168), (1, 24, 64), (2, 200, 1024), (2, 7168, 1024),
+                                      (3, 100, 1024), (4, 7168, 1024), (5, 4097, 1032), (8, 7168, 1024)])
+def test_every_gemv_kernel_exports_through_linear(rows, n, k):
+    """cute_bridge.ops.linear lowers every GEMV kernel it can pick (`gemv_kernel`) for CUDA."""
+    from cute_bridge import ops as cute_ops
+    name, _, _ = cute_ops.gemv_kernel(rows, n, k)
+    assert _calls(_export(lambda x, w: cute_ops.linear(x, w, min_rows=1), S((rows, k), jnp.bfloat16),
+                          S((n, k), jnp.bfloat16)), name)
+
+
+def test_the_gemv_exports_cover_every_gemv_kernel():
+    from cute_bridge import ops as cute_ops
+    shapes = test_every_gemv_kernel_exports_through_linear.pytestmark[0].args[1]
+    picked = {cute_ops.gemv_kernel(*shape)[0] for shape in shapes}
+    assert picked == {name for name in BY_NAME if name.startswith("gemv_")}
+
+
 def _packed_experts(e: int, m: int, inter: int) -> tuple:
     """Avals of MXFP4 expert weights: w1/w3 codes + scales [e, inter, m / 2 | m / 32], w2's [e, m, ...]."""
     return (S((e, inter, m // 2), jnp.uint8), S((e, inter, m // 32), jnp.uint8),

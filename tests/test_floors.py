@@ -19,6 +19,7 @@ def test_slab_copy_moves_every_slab_unchanged():
     state = jax.random.normal(jax.random.key(1), (2, 3, 64, 64), jnp.float32)
     with mgpu.race_detection():
         _copies_unchanged(state)
+        assert not mgpu.races_found()
 
 
 def _copies_unchanged(state):

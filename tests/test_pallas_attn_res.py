@@ -30,6 +30,7 @@ def test_attn_res_mix_matches_reference_interpret(op_case):
     spec, kernel = KERNELS[op]
     r = validate.check_case(spec, "pallas", kernel, case, seed=3, repeats=1)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
     assert r.races is not True
 
 
@@ -87,6 +88,7 @@ def test_attn_res_mix_k3_shapes_gpu(op_case):
     spec, kernel = KERNELS[op]
     r = validate.check_case(spec, "pallas", kernel, case, seed=5)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
 
 
 @pytest.fixture(scope="module")

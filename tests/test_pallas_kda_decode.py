@@ -17,7 +17,7 @@ from pallas_kernels import mgpu, registry
 
 SPEC = registry.spec("kda_decode")
 SMALL = [c for c in SPEC.sweep("small") if not c.kernel_kwargs]   # the tests below pick the kernel
-K3 = SPEC.sweep("k3")
+K3 = [c for c in SPEC.sweep("k3") if not c.kernel_kwargs]       # the ablation cases pin a prep
 PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
 # (case, splits, prep): the fused kernel at every split; the delta-rule-only kernel after XLA's
 # prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus gate
@@ -45,6 +45,7 @@ def test_kda_decode_matches_reference_interpret(param):
     fn = functools.partial(kd.kda_decode, splits=splits, prep=prep)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
     if not case.name.startswith("fallback"):
         assert r.races is False
     # o, conv window, state: each output's own error is in the report (validate's log and .md)
@@ -147,6 +148,7 @@ def test_kda_decode_gpu(param):
     case, splits, prep = param
     r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, prep=prep), case, seed=5)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
 
 
 @pytest.mark.gpu

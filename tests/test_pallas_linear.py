@@ -29,6 +29,7 @@ def test_interpret_mode_poisons_unwritten_output():
 def test_linear_matches_reference_interpret(case):
     r = validate.check_case(SPEC, "pallas", lin.linear, case, seed=3)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
     assert r.races is False
 
 
@@ -67,6 +68,7 @@ def test_plan_fits_and_divides(rows, out, din):
 def test_linear_k3_shapes_gpu(case):
     r = validate.check_case(SPEC, "pallas", lin.linear, case, seed=5)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ K3 = SPEC.sweep("k3")
 def test_mla_decode_matches_reference_interpret(case):
     r = validate.check_case(SPEC, "pallas", mla.mla_decode, case, seed=3, repeats=1)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
     assert r.races is not True
 
 
@@ -70,6 +71,7 @@ def test_splits_that_do_not_divide_the_tiles_are_named():
 def test_mla_decode_k3_shapes_gpu(case):
     r = validate.check_case(SPEC, "pallas", mla.mla_decode, case, seed=5)
     assert r.passed, r
+    assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
     assert np.isfinite(r.error)
 
 
