@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+DIR_MODE = 0o777 & ~_UMASK      # what os.mkdir gives a new directory (mkdtemp's is owner-only)
 
 
 @contextlib.contextmanager

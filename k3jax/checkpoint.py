@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax import mxfp4
-from k3jax.atomic import write_text
+from k3jax.atomic import DIR_MODE, write_text
 from k3jax.config import K3Config
 from k3jax.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_file
 
@@ -390,8 +390,8 @@ def _validate(path: str, cfg: K3Config, slots: list[Slot], index: TensorIndex, p
     problems = []
     if missing or unexpected:
         hint = _mismatch_hint(cfg, missing, unexpected, prefix)
-        if hint:
-            problems.append(hint)
+        if hint:        # one line says it all; the name lists would bury it
+            raise CheckpointError(f"{path}: {hint} ({len(missing)} missing, {len(unexpected)} unexpected tensors)")
         if missing:
             problems.append(f"{len(missing)} missing tensor(s):{_listing(missing)}")
         if unexpected:
@@ -419,7 +419,7 @@ def _validate(path: str, cfg: K3Config, slots: list[Slot], index: TensorIndex, p
 
 
 def _mismatch_hint(cfg: K3Config, missing: set, unexpected: set, prefix: str) -> str | None:
-    """One sentence for the common config/weights mismatches (the full lists follow)."""
+    """One sentence for the common config/weights mismatches (raised alone, with the counts)."""
     if any(n.endswith(".weight_packed") for n in missing) and any(
             re.search(r"experts\.\d+\.w[123]\.weight$", n) for n in unexpected):
         return ("config/weights mismatch: config.json implies MXFP4 experts (quantization_config "
@@ -428,7 +428,8 @@ def _mismatch_hint(cfg: K3Config, missing: set, unexpected: set, prefix: str) ->
     if any(re.search(r"experts\.\d+\.w[123]\.weight$", n) for n in missing) and any(
             n.endswith(".weight_packed") for n in unexpected):
         return ("config/weights mismatch: the checkpoint holds MXFP4 experts (weight_packed/weight_scale) "
-                "but the config asks for bf16 experts")
+                "but the config asks for bf16 experts; loading does not dequantise them, so leave out "
+                "expert_format='bf16' (--experts bf16)")
     layers = {int(m.group(1)) for n in unexpected if (m := re.search(r"model\.layers\.(\d+)\.", n))}
     if layers and max(layers) >= cfg.num_hidden_layers:
         return (f"config/weights mismatch: the checkpoint has layers up to {max(layers)} but config.json "
@@ -492,7 +493,9 @@ def write_hf_checkpoint(out_dir: str, hf_config: dict, entries: list[Entry], *,
 
 def _replace_dir(tmp: str, out_dir: str) -> None:
     """Renames a finished temporary directory into place. An old one is moved aside first and
-    moved back if that rename fails, so a failed overwrite keeps the old checkpoint."""
+    moved back if that rename fails, so a failed overwrite keeps the old checkpoint. The new
+    directory gets the old one's permissions, else a new directory's (not mkdtemp's owner-only)."""
+    os.chmod(tmp, os.stat(out_dir).st_mode & 0o7777 if os.path.exists(out_dir) else DIR_MODE)
     if not os.path.exists(out_dir):
         os.rename(tmp, out_dir)
         return

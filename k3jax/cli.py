@@ -26,12 +26,13 @@ class Parser(argparse.ArgumentParser):
 
 def int_list(text: str, flag: str, *, minimum: int = 1) -> list[int]:
     """"1,8,32" -> [1, 8, 32]; ValueError naming `flag` for anything else (or a value < minimum)."""
+    items = text.replace(" ", "").split(",")
+    if items == [""]:
+        raise ValueError(f"{flag} is empty")
     try:
-        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+        vals = [int(x) for x in items]          # an empty item ("1,,2") is an error, not skipped
     except ValueError:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise ValueError(f"{flag} is empty")
     if min(vals) < minimum:
         raise ValueError(f"{flag} needs integers >= {minimum}, got {text!r}")
     return vals

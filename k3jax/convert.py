@@ -44,8 +44,14 @@ def _convert(args: argparse.Namespace) -> int:
     import os
 
     from k3jax import checkpoint as ckpt
+    from k3jax.cli import at_least, check_writable
     if os.path.exists(args.dst) and not args.overwrite:    # before a long load, and naming the flag
         raise FileExistsError(f"{args.dst} exists; pass --overwrite to replace it")
+    check_writable(os.path.join(args.dst, "config.json"), "the destination")
+    if args.cmd != "hf-to-orbax":
+        at_least("--max-shard-gb", args.max_shard_gb, 1e-3)
+    if args.cmd == "synthetic":
+        at_least("--seed", args.seed, 0)
     if args.cmd == "hf-to-orbax":
         model = ckpt.load_hf_checkpoint(args.src, dtype=args.dtype)
         out = ckpt.save_orbax(model, args.dst, ckpt.read_hf_config(args.src), overwrite=args.overwrite)

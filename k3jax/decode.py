@@ -105,10 +105,11 @@ def prepare(args: argparse.Namespace) -> Request:
     output path. ValueError/ConfigError naming the problem."""
     from k3jax.generation import SamplingParams, check_request
     from k3jax.tokenizer import tokenizer_for
-    from k3jax.weights import config_of
+    from k3jax.weights import check_seed, config_of
 
     at_least("--batch-size", args.batch_size, 1)
     at_least("--max-new-tokens", args.max_new_tokens, 1)
+    check_seed(args.seed, "--seed")
     check_ep_variant(args.ep_variant, args.mesh)
     if args.output:
         check_writable(args.output, "--output")
@@ -138,6 +139,14 @@ def run(args: argparse.Namespace, request: Request) -> dict:
     from k3jax.backend import KernelPlan
     from k3jax.costs import copy_bandwidth, decode_step_bytes
 
+    if args.mesh and args.ep_variant != "auto":     # needs the backend, so not in prepare()
+        from k3jax.moe_parallel import unavailable
+        why = unavailable(args.ep_variant)
+        if why:
+            raise ValueError(f"--ep-variant {args.ep_variant} cannot run here: {why}")
+    if args.backend != "xla" and jax.default_backend() != "gpu":
+        print(f"k3jax.decode: note: no GPU, so --backend {args.backend}'s kernels run in interpret mode or fall "
+              "back to XLA: slow, for checking, not timing", file=sys.stderr)
     path_or_preset, source = model_source(args)
     model = k3jax.from_pretrained(path_or_preset, source=source, dtype=args.dtype, seed=args.seed,
                                   mesh=args.mesh, **request.changes)

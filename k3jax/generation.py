@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from k3jax import ops, sharding
 from k3jax.cache import DecodeState, init_state
 from k3jax.model import K3Model, host_token_ids
-from k3jax.weights import check_fits, check_int, describe
+from k3jax.weights import check_fits, check_int, check_seed, describe
 
 STOP_CHECK_EVERY = 8
 
@@ -62,7 +62,8 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second over the decode phase (all sequences)."""
+        """Decode throughput: B tokens per decode step run over the decode time (a row that has
+        stopped still occupies its slot in every step, as it does in the batch's compute)."""
         return self.tokens.shape[0] * self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
 
     @property
@@ -192,7 +193,7 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
     if not isinstance(model, K3Model):
         raise TypeError(f"model must be a k3jax.K3Model (k3jax.from_pretrained), got {type(model).__name__}")
     cfg = model.cfg
-    seed = check_int("seed", seed)
+    seed = check_seed(seed)
     key = None if key is None else _check_key(key)
     mesh = sharding.model_mesh(model)
     if mesh is not None and jax.sharding.get_abstract_mesh().empty:
@@ -224,7 +225,7 @@ def generate_with_stats(model: K3Model, input_ids, max_new_tokens: int = 32, *,
     jax.block_until_ready((out, state))
     t2 = time.perf_counter()
     compile_s, prefill_s, decode_s, steps = t1 - t0, t2 - t1, 0.0, 0
-    if max_new_tokens > 1:
+    if max_new_tokens > 1 and not (stop_tokens and bool(jnp.all(done))):     # every row stopped at once
         step_fn = _decode_step.lower(graphdef, params, state, out, done, 0, decode_key, stop_ids, pad_id,
                                      sampling=sampling).compile()
         t3 = time.perf_counter()

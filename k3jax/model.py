@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.backend import XLA, KernelPlan
-from k3jax.cache import DecodeState, init_state
+from k3jax.cache import DecodeState, KDAState, MLAState, init_state
 from k3jax.config import K3Config
 from k3jax.layers import DecoderLayer, Linear, RMSNorm, norm_param, normal_param
 from k3jax.sharding import constrain_state
@@ -50,7 +50,7 @@ class K3Model(nnx.Module):
         """tokens [B, T] int32 -> (logits float32 [B, T, V] or, with last_only, [B, V] at each
         sequence's last real token; new state). num_new [B] real tokens per row (default T)."""
         cfg = self.cfg
-        b, t = _check_forward_args(tokens, state, num_new, cfg.num_hidden_layers)
+        b, t = _check_forward_args(tokens, state, num_new, cfg, self.dtype)
         num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
         valid = jnp.arange(t)[None, :] < num_new[:, None]                            # [B, T]
         plan = self.plan
@@ -123,22 +123,45 @@ def _full_forward_logits(model: K3Model, ids: jax.Array) -> jax.Array:
 _full_forward_jit = nnx.jit(_full_forward_logits)
 
 
-def _check_forward_args(tokens, state, num_new, num_layers: int) -> tuple[int, int]:
-    """Static (shape/dtype) checks of K3Model.forward's arguments; returns (B, T)."""
-    dtype = getattr(tokens, "dtype", None)
-    shape = () if dtype is None else tokens.shape
-    if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
-        got = type(tokens).__name__ if dtype is None else f"{dtype}{list(shape)}"
+def _check_forward_args(tokens, state, num_new, cfg: K3Config, dtype) -> tuple[int, int]:
+    """K3Model.forward's arguments: shapes, dtypes and, where the values are concrete (not traced
+    under jit), token ids within the vocabulary, 0 <= num_new <= T, and the cached plus new tokens
+    within the state's MLA cache (traced: T alone). Returns (B, T)."""
+    dt = getattr(tokens, "dtype", None)
+    shape = () if dt is None else tokens.shape
+    if len(shape) != 2 or not jnp.issubdtype(dt, jnp.integer):
+        got = type(tokens).__name__ if dt is None else f"{dt}{list(shape)}"
         raise ValueError(f"tokens must be an integer array [batch, seq], got {got}")
     if not isinstance(state, DecodeState):
         raise TypeError(f"state must be a k3jax.DecodeState (k3jax.init_state), got {type(state).__name__}")
     b, t = shape
+    num_layers = cfg.num_hidden_layers
     if state.batch_size != b or len(state.layers) != num_layers:
         raise ValueError(f"state holds {state.batch_size} sequences x {len(state.layers)} layers but tokens has "
                          f"batch size {b} and the model {num_layers} layers; use init_state(model.cfg, {b}, max_len)")
     if num_new is not None and jnp.shape(num_new) != (b,):
         raise ValueError(f"num_new must have shape [{b}] (one count per sequence), got {list(jnp.shape(num_new))}")
+    cached = {jnp.dtype(s.conv.dtype if isinstance(s, KDAState) else s.latent.dtype).name for s in state.layers}
+    if cached != {jnp.dtype(dtype).name}:
+        raise ValueError(f"state caches are {'/'.join(sorted(cached))} but the model computes in "
+                         f"{jnp.dtype(dtype).name}; use init_state(model.cfg, {b}, max_len, model.dtype)")
+    if _concrete(tokens) is not None:
+        host_token_ids(_concrete(tokens), cfg.vocab_size)
+    counts = _concrete(num_new)
+    if counts is not None and ((counts < 0) | (counts > t)).any():
+        raise ValueError(f"num_new must be within [0, {t}] (the tokens per row), got {counts.tolist()}")
+    capacity = min((s.latent.shape[1] for s in state.layers if isinstance(s, MLAState)), default=None)
+    lengths = _concrete(state.lengths)
+    used = 0 if lengths is None else int(lengths.max())
+    if capacity is not None and used + t > capacity:
+        raise ValueError(f"{t} new token(s) after {used} cached exceed the state's MLA cache of {capacity} "
+                         f"positions; use init_state(model.cfg, {b}, max_len) with max_len >= {used + t}")
     return b, t
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x as a host array, or None when it is traced (inside jit) or absent."""
+    return None if x is None or isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
 def check_token_ids(input_ids, vocab_size: int) -> jax.Array:

@@ -62,6 +62,7 @@ from k3jax.backend import BACKENDS
 from k3jax.cli import Parser, at_least, check_ep_variant, check_preset, check_writable, known, run_cli
 from k3jax.config import EXPERT_CHOICES, expert_changes, expert_label
 from k3jax.moe_parallel import VARIANTS
+from k3jax.weights import parse_dtype
 
 # ------------------------------------------------------------------ HLO text -> instruction records
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -541,6 +542,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
     if a.out:
         check_writable(a.out, "--out")
     check_preset(a.preset)
+    parse_dtype(a.dtype)
     if jax.default_backend() != "gpu":
         print("warning: no GPU; no kernel times (CUPTI), only the HLO inventory and wall time", file=sys.stderr)
     result = profile_step(a.preset, a.backend, gran, a.batch, a.context, steps=a.steps, warmup=a.warmup,

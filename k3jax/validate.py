@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     p.add_argument("--op", action="append", help="op name (repeatable); default: every op")
     p.add_argument("--sizes", default=None, help="comma list of small,k3 (default: small on CPU, both on GPU)")
     p.add_argument("--repeats", type=int, default=2, help="reruns for the determinism check (default 2)")
-    p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md; default validate_report)")
+    p.add_argument("--out", default="validate_report", help="report path prefix (.json and .md; --model: .json only; default validate_report)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="per-op mode: start no case after this many seconds (the rest are listed as not run)")
     a = p.parse_args(argv)

@@ -125,13 +125,21 @@ def describe(value) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """`value` as an int; TypeError naming `name` for a non-integer (bool included), ValueError below `minimum`."""
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int; TypeError naming `name` for a non-integer (bool included), ValueError
+    below `minimum` or above `maximum`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {describe(value)}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """A random seed as jax.random.key and nnx.Rngs take it: an int that fits int64."""
+    return check_int(name, seed, minimum=-2 ** 63, maximum=2 ** 63 - 1)
 
 
 SOURCE_KINDS = ("auto", "preset", "checkpoint")
@@ -173,7 +181,7 @@ def from_pretrained(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, mes
         raise TypeError(f"path_or_preset must be a preset name or a checkpoint directory, got "
                         f"{type(path_or_preset).__name__} {path_or_preset!r}")
     path_or_preset = os.fspath(path_or_preset)
-    check_int("seed", seed)
+    check_seed(seed)
     dtype = parse_dtype(dtype)
     if mesh is not None:
         from k3jax import sharding

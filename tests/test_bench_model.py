@@ -59,6 +59,12 @@ def test_model_sweep_and_report(tmp_path):
     assert text.count("### Per-op kernels") == 1 and "torch us" in text and "4.00x" in text
     assert "![r-k3-tiny.png](img/r-k3-tiny.png)" in text
     assert bench.main(["--report", str(tmp_path / "missing.json")]) == 2
+    # Files none of which is a bench result (e.g. a profile) must not empty the block.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"meta": {"kind": "profile"}, "rows": []}))
+    before = doc.read_text()
+    assert bench.main(["--report", str(profile), "--update", str(doc)]) == 2
+    assert doc.read_text() == before
 
 
 def test_failures_become_rows(monkeypatch, tmp_path):

@@ -113,6 +113,9 @@ def test_orbax_roundtrip_and_cli(tmp_path):
     assert main(["hf-to-orbax", TINY, orb]) == 0
     assert main(["hf-to-orbax", TINY, orb]) == 2            # exists, no --overwrite
     assert main(["orbax-to-hf", orb, hf]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(os.stat(d).st_mode & 0o777 == 0o777 & ~umask for d in (orb, hf))     # not mkdtemp's 0700
     a, b = ckpt.TensorIndex(TINY), ckpt.TensorIndex(hf)
     for n in b.where:
         np.testing.assert_array_equal(a.read(n), b.read(n), err_msg=n)
@@ -273,8 +276,9 @@ def test_config_weights_mismatch(copy_tiny):
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ckpt.CheckpointError, match="layers up to 8 but config.json num_hidden_layers is 8"):
         load(d)
-    with pytest.raises(ckpt.CheckpointError, match="holds MXFP4 experts"):
+    with pytest.raises(ckpt.CheckpointError, match="holds MXFP4 experts") as e:
         load(TINY, expert_format="bf16")
+    assert "\n" not in str(e.value) and "missing" in str(e.value)      # one line, with the counts
 
 
 def test_truncated_and_corrupt_files(copy_tiny, tmp_path):

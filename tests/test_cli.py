@@ -81,10 +81,15 @@ def test_convert_names_its_flags_and_presets(capsys, tmp_path):
     for argv, needle in ((["synthetic", str(tmp_path / "a"), "--preset", "k3-nope"], "unknown preset 'k3-nope'"),
                          (["synthetic", str(tmp_path), "--preset", "k3-tiny"], "exists; pass --overwrite to replace it"),
                          (["hf-to-orbax", str(tmp_path / "missing"), str(tmp_path / "b")],
-                          f"checkpoint {str(tmp_path / 'missing')!r} does not exist")):
+                          f"checkpoint {str(tmp_path / 'missing')!r} does not exist"),
+                         (["synthetic", str(tmp_path / "a"), "--max-shard-gb", "0"], "--max-shard-gb must be >= 0.001"),
+                         (["synthetic", str(tmp_path / "a"), "--seed", "-1"], "--seed must be >= 0"),
+                         (["synthetic", str(tmp_path / "f" / "a")], "is a file, not a folder")):
+        (tmp_path / "f").write_text("")
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("k3jax.convert: error:") and needle in err, err
+        (tmp_path / "f").unlink()
     assert os.listdir(tmp_path) == []
 
 
@@ -163,6 +168,10 @@ def test_atomic_writes_keep_permissions(tmp_path):
     (["--prompt-ids", "1,2", "--max-new-tokens", "2000000"], "exceeds max_position_embeddings"),
     (["--output", "{tmp}"], "is a directory"),
     (["--output", "{tmp}/file.json/run.json"], "is a file, not a folder"),
+    (["--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers, got '1,,2'"),
+    (["--mesh", "ep=8", "--ep-variant", "ragged"], "--ep-variant ragged cannot run here: ragged_all_to_all"),
+    (["--mesh", "ep=8", "--ep-variant", "device"], "--ep-variant device cannot run here"),
+    (["--seed", str(2 ** 64)], "seed must be"),
 ])
 def test_request_errors_come_before_the_weights(monkeypatch, capsys, tmp_path, argv, needle):
     """What can be checked from the config, prompts and flags fails before any weight is built."""

@@ -79,6 +79,25 @@ def test_forward_bad_state_or_tokens(model):
         model.forward(jnp.ones((2, 1), jnp.int32), k3jax.init_state(cfg, 2, 8), jnp.ones((3,), jnp.int32))
 
 
+def test_forward_checks_values_it_can_see(model):
+    """Concrete (not traced) arguments: ids in the vocabulary, 0 <= num_new <= T, cached + new tokens
+    within the MLA cache (a larger T used to run past it silently), the model's cache dtype."""
+    cfg, dt = model.cfg, model.dtype
+    state = k3jax.init_state(cfg, 1, 8, dt)
+    with pytest.raises(ValueError, match=r"100 new token\(s\) after 0 cached exceed the state's MLA cache of 64"):
+        model.forward(jnp.ones((1, 100), jnp.int32), state)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.forward(jnp.full((1, 2), cfg.vocab_size, jnp.int32), state)
+    with pytest.raises(ValueError, match=r"num_new must be within \[0, 2\]"):
+        model.forward(jnp.ones((1, 2), jnp.int32), state, jnp.array([3]))
+    other = jnp.float32 if jnp.dtype(dt) == jnp.bfloat16 else jnp.bfloat16
+    with pytest.raises(ValueError, match="state caches are .* but the model computes in"):
+        model.forward(jnp.ones((1, 2), jnp.int32), k3jax.init_state(cfg, 1, 8, other))
+    _, state = model.forward(jnp.ones((1, 60), jnp.int32), state)
+    with pytest.raises(ValueError, match=r"5 new token\(s\) after 60 cached"):
+        model.forward(jnp.ones((1, 5), jnp.int32), state)
+
+
 def test_from_pretrained_bad_arguments():
     with pytest.raises(TypeError, match="seed must be an int, got str 'x'"):
         k3jax.from_pretrained("k3-tiny", seed="x")
