@@ -82,15 +82,22 @@ def pad_id(cfg) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """A run's checked inputs: K3Config changes, tokenizer, prompt ids (one list per sequence),
-    k3jax.SamplingParams, stop ids, pad id."""
+    """A run's checked inputs: the K3Config and its changes, tokenizer, the distinct prompts' ids
+    and how many sequences start from each (--batch-size), k3jax.SamplingParams, stop ids, pad id."""
 
+    cfg: object
     changes: dict
     tokenizer: object
-    prompts: list
+    distinct_prompts: list
+    copies: int
     sampling: object
     stops: list
     pad: int
+
+    @property
+    def prompts(self) -> list:
+        """One id list per sequence: each distinct prompt `copies` times."""
+        return [p for p in self.distinct_prompts for _ in range(self.copies)]
 
 
 def model_source(args: argparse.Namespace) -> tuple[str, str]:
@@ -121,14 +128,13 @@ def prepare(args: argparse.Namespace) -> Request:
         prompts = [int_list(t, "--prompt-ids", minimum=0) for t in args.prompt_ids]
     else:
         prompts = [tokenizer.encode(t) for t in (args.prompt or [DEFAULT_PROMPT])]
-    prompts = [p for p in prompts for _ in range(args.batch_size)]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     stops, pad = stop_tokens(args, cfg), pad_id(cfg)
     check_request(cfg, prompts, args.max_new_tokens, sampling, stops, pad)
     if args.coordinator is None and args.temperature == 0 and (args.top_k or args.top_p < 1):   # once a job
         print("k3jax.decode: note: --top-k / --top-p have no effect at --temperature 0 (greedy decoding)",
               file=sys.stderr)
-    return Request(changes, tokenizer, prompts, sampling, stops, pad)
+    return Request(cfg, changes, tokenizer, prompts, args.batch_size, sampling, stops, pad)
 
 
 def run(args: argparse.Namespace, request: Request) -> dict:
@@ -144,6 +150,13 @@ def run(args: argparse.Namespace, request: Request) -> dict:
         why = unavailable(args.ep_variant)
         if why:
             raise ValueError(f"--ep-variant {args.ep_variant} cannot run here: {why}")
+    # The weights, the decode state and the logits of every sequence fit, before anything is
+    # built (the sequences are expanded only then: a huge --batch-size ends here, in one line).
+    from k3jax.sharding import as_mesh
+    from k3jax.weights import check_fits
+    check_fits(request.cfg, args.dtype, mesh=as_mesh(args.mesh) if args.mesh else None,
+               batch=len(request.distinct_prompts) * request.copies,
+               max_len=max(map(len, request.distinct_prompts)) + args.max_new_tokens)
     if args.backend != "xla" and jax.default_backend() != "gpu":
         print(f"k3jax.decode: note: no GPU, so --backend {args.backend}'s kernels run in interpret mode or fall "
               "back to XLA: slow, for checking, not timing", file=sys.stderr)

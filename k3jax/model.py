@@ -138,15 +138,17 @@ def _check_forward_args(tokens, state, num_new, cfg: K3Config, dtype) -> tuple[i
     num_layers = cfg.num_hidden_layers
     if state.batch_size != b or len(state.layers) != num_layers:
         raise ValueError(f"state holds {state.batch_size} sequences x {len(state.layers)} layers but tokens has "
-                         f"batch size {b} and the model {num_layers} layers; use init_state(model.cfg, {b}, max_len)")
+                         f"batch size {b} and the model {num_layers} layers; use init_state(model.cfg, {b}, max_len, model.dtype)")
     if num_new is not None and jnp.shape(num_new) != (b,):
         raise ValueError(f"num_new must have shape [{b}] (one count per sequence), got {list(jnp.shape(num_new))}")
     cached = {jnp.dtype(s.conv.dtype if isinstance(s, KDAState) else s.latent.dtype).name for s in state.layers}
     if cached != {jnp.dtype(dtype).name}:
         raise ValueError(f"state caches are {'/'.join(sorted(cached))} but the model computes in "
                          f"{jnp.dtype(dtype).name}; use init_state(model.cfg, {b}, max_len, model.dtype)")
-    if _concrete(tokens) is not None:
-        host_token_ids(_concrete(tokens), cfg.vocab_size)
+    ids = _concrete(tokens)
+    if ids is not None and ids.size and ((ids < 0) | (ids >= cfg.vocab_size)).any():
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        raise ValueError(f"tokens has {bad.size} id(s) outside the vocabulary [0, {cfg.vocab_size}), e.g. {int(bad[0])}")
     counts = _concrete(num_new)
     if counts is not None and ((counts < 0) | (counts > t)).any():
         raise ValueError(f"num_new must be within [0, {t}] (the tokens per row), got {counts.tolist()}")
@@ -155,13 +157,16 @@ def _check_forward_args(tokens, state, num_new, cfg: K3Config, dtype) -> tuple[i
     used = 0 if lengths is None else int(lengths.max())
     if capacity is not None and used + t > capacity:
         raise ValueError(f"{t} new token(s) after {used} cached exceed the state's MLA cache of {capacity} "
-                         f"positions; use init_state(model.cfg, {b}, max_len) with max_len >= {used + t}")
+                         f"positions; use init_state(model.cfg, {b}, max_len, model.dtype) with max_len >= {used + t}")
     return b, t
 
 
 def _concrete(x) -> np.ndarray | None:
-    """x as a host array, or None when it is traced (inside jit) or absent."""
-    return None if x is None or isinstance(x, jax.core.Tracer) else np.asarray(x)
+    """x as a host array, or None when it is absent, traced (inside jit) or spans devices of other
+    processes (a multi-process global array: no one process can read it)."""
+    if x is None or isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return None
+    return np.asarray(x)
 
 
 def check_token_ids(input_ids, vocab_size: int) -> jax.Array:

@@ -95,8 +95,10 @@ def check_fits(cfg: K3Config, dtype, *, mesh=None, batch: int = 0, max_len: int 
     need = weights + state + activations
     device = jax.local_devices()[0]
     have = device_memory_bytes(device)
-    usable = have if have is None or batch <= 0 else int((1 - DECODE_HEADROOM) * have)
-    if usable is None or need <= usable:
+    # The parameters may fill the free memory; the decode state and activations get all but the
+    # headroom of what the parameters leave (the rule from_pretrained then generate apply).
+    usable = have if have is None or batch <= 0 else weights + int((1 - DECODE_HEADROOM) * (have - weights))
+    if usable is None or (need <= usable and weights <= have):
         return need
     parts = ([f"{_gib(weights)} parameters"] if params else []) + (
         [f"{_gib(state)} decode state for batch {batch} x {max_len} tokens",
@@ -108,7 +110,9 @@ def check_fits(cfg: K3Config, dtype, *, mesh=None, batch: int = 0, max_len: int 
     else:
         fix = "use a smaller batch or fewer tokens (prompt + max_new_tokens)"
     where = cfg.name if mesh is None else f"{cfg.name} on mesh {sharding.format_mesh(mesh)}"
-    room = _gib(usable) if usable == have else f"{_gib(usable)} ({1 - DECODE_HEADROOM:.0%} of {_gib(have)} free)"
+    room = (_gib(usable) if usable == have else
+            f"{_gib(usable)} (of {_gib(have)} free: the parameters, then {1 - DECODE_HEADROOM:.0%} of the rest)"
+            if params and weights else f"{_gib(usable)} ({1 - DECODE_HEADROOM:.0%} of {_gib(have)} free)")
     raise OutOfMemoryError(f"{where}: needs {_gib(need)} per device ({' + '.join(parts)}), more than the "
                            f"{room} a {device.platform} device has for it; {fix}")
 

@@ -40,13 +40,15 @@ def race_detection():
     """Interpret-mode kernels traced inside run with the happens-before race detector;
     `races_found()` then reports on every kernel run inside the block, not only the last one."""
     _record_each_kernels_races()
+    nested = _state["detect_races"]
+    outer = nested and races_found()            # the enclosing block's finding so far
     reset_interpreter()
-    outer = _state["races_seen"]
     _state["races_seen"] = False
     try:
         with _set("detect_races"):
             yield
     finally:
+        # After the block, races_found() reports it (and an enclosing block adds it to its own).
         _state["races_seen"] = outer or races_found()
 
 

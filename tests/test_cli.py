@@ -172,6 +172,7 @@ def test_atomic_writes_keep_permissions(tmp_path):
     (["--mesh", "ep=8", "--ep-variant", "ragged"], "--ep-variant ragged cannot run here: ragged_all_to_all"),
     (["--mesh", "ep=8", "--ep-variant", "device"], "--ep-variant device cannot run here"),
     (["--seed", str(2 ** 64)], "seed must be"),
+    (["--batch-size", "100000000"], "decode state for batch 100000000"),        # before expanding the prompts
 ])
 def test_request_errors_come_before_the_weights(monkeypatch, capsys, tmp_path, argv, needle):
     """What can be checked from the config, prompts and flags fails before any weight is built."""

@@ -86,7 +86,7 @@ def test_forward_checks_values_it_can_see(model):
     state = k3jax.init_state(cfg, 1, 8, dt)
     with pytest.raises(ValueError, match=r"100 new token\(s\) after 0 cached exceed the state's MLA cache of 64"):
         model.forward(jnp.ones((1, 100), jnp.int32), state)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="tokens has 2 id.s. outside the vocabulary"):
         model.forward(jnp.full((1, 2), cfg.vocab_size, jnp.int32), state)
     with pytest.raises(ValueError, match=r"num_new must be within \[0, 2\]"):
         model.forward(jnp.ones((1, 2), jnp.int32), state, jnp.array([3]))

@@ -90,7 +90,8 @@ def test_absorb_and_expand_kernels_interpret(batch):
         bn = -(-b // 8) * 8
         o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(jnp.bfloat16), ((0, 0), (0, bn - b), (0, 0)))
         out = mla._expand(o_t, w_kv_b, n)
-    assert not mgpu.races_found()
+        jax.block_until_ready((q_lat, qr, out))
+        assert not mgpu.races_found()
     ref = ops.mla_absorb_query(q_nope, w_kv_b).astype(jnp.bfloat16)
     # Same float32 products, other summation order: at most one bf16 ulp apart.
     assert registry.relative_max_error(q_lat[:b, :h], ref) <= 2.0 ** -7

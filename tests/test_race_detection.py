@@ -49,6 +49,20 @@ def test_a_race_in_an_earlier_call_of_the_block_is_reported():
         assert mgpu.races_found()
 
 
+def test_a_block_reports_itself_after_it_ends_and_nested_blocks_add_to_the_outer():
+    with mgpu.race_detection():
+        jax.block_until_ready(jax.jit(lambda: _racy())())
+    assert mgpu.races_found()
+    with mgpu.race_detection():
+        jax.block_until_ready(jax.jit(lambda: _clean())())
+    assert not mgpu.races_found()           # the earlier block's race is not carried over
+    with mgpu.race_detection():
+        with mgpu.race_detection():
+            jax.block_until_ready(jax.jit(lambda: _racy())())
+        jax.block_until_ready(jax.jit(lambda: _clean())())
+        assert mgpu.races_found()
+
+
 def test_a_new_block_starts_clean():
     with mgpu.race_detection():
         jax.block_until_ready(jax.jit(lambda: _racy())())
