@@ -35,6 +35,13 @@ def test_ties_go_to_the_lower_expert_id():
     assert registry.relative_max_error(w, rw) <= registry.TOLERANCE["float32"]
 
 
+@pytest.mark.gpu
+def test_ties_go_to_the_lower_expert_id_gpu():
+    """The same exact check on the compiled kernels (identical expert rows must still score
+    bit-identically through the split-K logits)."""
+    test_ties_go_to_the_lower_expert_id()
+
+
 def test_unsupported_configs_fall_back_to_the_reference():
     x, w, b = rt._make(2, 128, 128)(jax.random.key(0))
     for kw in (dict(activation="softmax"), dict(n_group=4, topk_group=2)):
