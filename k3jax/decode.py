@@ -154,7 +154,8 @@ def run(args: argparse.Namespace, request: Request) -> dict:
     # built (the sequences are expanded only then: a huge --batch-size ends here, in one line).
     from k3jax.sharding import as_mesh
     from k3jax.weights import check_fits
-    check_fits(request.cfg, args.dtype, mesh=as_mesh(args.mesh) if args.mesh else None,
+    mesh = as_mesh(args.mesh) if args.mesh else None
+    check_fits(request.cfg, args.dtype, mesh=mesh,
                batch=len(request.distinct_prompts) * request.copies,
                max_len=max(map(len, request.distinct_prompts)) + args.max_new_tokens)
     if args.backend != "xla" and jax.default_backend() != "gpu":
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace, request: Request) -> dict:
               "back to XLA: slow, for checking, not timing", file=sys.stderr)
     path_or_preset, source = model_source(args)
     model = k3jax.from_pretrained(path_or_preset, source=source, dtype=args.dtype, seed=args.seed,
-                                  mesh=args.mesh, **request.changes)
+                                  mesh=mesh, **request.changes)
     if args.mesh:
         from k3jax.sharding import set_ep_variant
         set_ep_variant(model, args.ep_variant)

@@ -146,9 +146,8 @@ def _check_forward_args(tokens, state, num_new, cfg: K3Config, dtype) -> tuple[i
         raise ValueError(f"state caches are {'/'.join(sorted(cached))} but the model computes in "
                          f"{jnp.dtype(dtype).name}; use init_state(model.cfg, {b}, max_len, model.dtype)")
     ids = _concrete(tokens)
-    if ids is not None and ids.size and ((ids < 0) | (ids >= cfg.vocab_size)).any():
-        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
-        raise ValueError(f"tokens has {bad.size} id(s) outside the vocabulary [0, {cfg.vocab_size}), e.g. {int(bad[0])}")
+    if ids is not None:
+        _check_in_vocab(ids, cfg.vocab_size, "tokens")
     counts = _concrete(num_new)
     if counts is not None and ((counts < 0) | (counts > t)).any():
         raise ValueError(f"num_new must be within [0, {t}] (the tokens per row), got {counts.tolist()}")
@@ -178,6 +177,14 @@ def check_token_ids(input_ids, vocab_size: int) -> jax.Array:
     return jnp.asarray(host_token_ids(input_ids, vocab_size))
 
 
+def _check_in_vocab(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    """ValueError naming `name` when any of the integer ids lies outside [0, vocab_size)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"{name} has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), "
+                         f"e.g. {int(ids[bad][0])}")
+
+
 def host_token_ids(input_ids, vocab_size: int) -> np.ndarray:
     """check_token_ids on the host: int32 numpy ids, and no jax call (a launcher validates prompts
     before jax.distributed may start the backend)."""
@@ -188,8 +195,5 @@ def host_token_ids(input_ids, vocab_size: int) -> np.ndarray:
         raise ValueError(f"input_ids is empty (shape {list(arr.shape)})")
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"input_ids must be integers, got dtype {arr.dtype}")
-    bad = (arr < 0) | (arr >= vocab_size)
-    if bad.any():
-        raise ValueError(f"input_ids has {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), "
-                         f"e.g. {int(arr[bad][0])}")
+    _check_in_vocab(arr, vocab_size, "input_ids")
     return arr.astype(np.int32)
