@@ -27,7 +27,8 @@ against the reference before it is timed. Times are the sum of the op's GPU kern
 enough copies that they do not fit in the 60 MB L2; state an op updates in place (OpSpec.donate:
 kda_decode's recurrent state) is donated, a fresh copy per call made before the timing, as a
 decode step donates it. Wall-clock per call (launch gaps included) is recorded too. Results go
-to a JSON file (default benchmarks/results/ops-<date>.json).
+to a JSON file (default benchmarks/results/ops-<date>.json; without a GPU under benchmarks/results/cpu/,
+git-ignored and outside what `--report benchmarks/results/*.json` reads).
 
 `--report`: one Markdown summary of any number of result files (model rows from --model and from
 benchmarks/torch_reference.py, ops rows from --ops); `--update FILE` rewrites the block between
@@ -754,7 +755,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="--model: untimed steps before timing (default 3)")
     p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops small: a CPU smoke run")
     p.add_argument("--cases", default=None, help="--ops: regex, only the cases whose name matches (re.search)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<mode>-<date>.json; without a GPU benchmarks/results/cpu/...)")
     p.add_argument("--update", default=None, help="--report: rewrite the results block of this Markdown file")
     p.add_argument("--plots", default=None, help="--report: plot path prefix (default: beside the first JSON)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -763,6 +764,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     command = "python -m k3jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     return run_cli("k3jax.bench", lambda: _main(a, command))
+
+
+RESULTS_DIR = "benchmarks/results"
+
+
+def default_out(name: str) -> str:
+    """Where a result goes without --out: RESULTS_DIR/name on a GPU; without one RESULTS_DIR/cpu/name
+    (git-ignored, and outside the `benchmarks/results/*.json` that `--report --update` reads), so
+    a CPU smoke run never lands among the published GPU results."""
+    return os.path.join(RESULTS_DIR, *([] if jax.default_backend() == "gpu" else ["cpu"]), name)
 
 
 def _warn_without_gpu() -> None:
@@ -812,7 +823,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         if a.mesh:
             sharding.make_mesh(a.mesh)          # a bad spec, or more devices than there are
         batches, contexts = int_list(a.batches or DEFAULT_BATCHES, "--batches"), int_list(a.contexts, "--contexts")
-        out = a.out or f"benchmarks/results/model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json"
+        out = a.out or default_out(f"model-{os.path.basename(a.preset.rstrip('/'))}-{stamp}.json")
         save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
         ablations = [parse_ablation(x) for x in a.ablate]
         _warn_without_gpu()
@@ -833,7 +844,7 @@ def _main(a: argparse.Namespace, command: str) -> int:
         return 1 if any(r["status"] == "error" for r in result["rows"]) else 0
     ops = known(a.ops, REFERENCES, "op(s)") if a.ops else list(REFERENCES)
     batches = set(int_list(a.batches or "1,8,32,128", "--batches"))
-    out = a.out or f"benchmarks/results/ops-{stamp}.json"
+    out = a.out or default_out(f"ops-{stamp}.json")
     save = lambda res: atomic.write_json(out, res)  # noqa: E731 - partial results survive a kill
     try:
         re.compile(a.cases or "")

@@ -9,6 +9,7 @@ normalised latent, then the un-rotated shared key dims). `lengths` [B] counts ca
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -58,19 +59,49 @@ def cache_length(max_len: int) -> int:
     return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
 
 
+def _layer_shapes(cfg: K3Config, kind: str, batch_size: int, positions: int) -> dict[str, tuple[int, ...]]:
+    """The array shapes of one layer's state (`kind` "kda" or "mla"; MLA caches of `positions`)."""
+    if kind == "kda":
+        return {"conv": (batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim),
+                "recurrent": (batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)}
+    return {"latent": (batch_size, positions, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+
+
 def init_state(cfg: K3Config, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> DecodeState:
     """Zeroed state for `batch_size` sequences of up to `max_len` tokens (the MLA cache holds
-    `cache_length(max_len)` positions)."""
+    `cache_length(max_len)` positions); dtype as `from_pretrained` takes it ("bf16", jnp.float32, ...)."""
+    from k3jax.weights import parse_dtype     # (weights imports the model, which imports this module)
+    if not isinstance(cfg, K3Config):
+        raise TypeError(f"init_state takes a K3Config (model.cfg), got {type(cfg).__name__}")
+    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"init_state: {name} must be an integer >= 1, got {value!r}")
+    dtype = parse_dtype(dtype)
     layers = []
     for kind in cfg.layer_kinds:
+        shapes = _layer_shapes(cfg, kind, batch_size, cache_length(max_len))
         if kind == "kda":
-            h, hd = cfg.kda_num_heads, cfg.kda_head_dim
-            layers.append(KDAState(conv=jnp.zeros((batch_size, cfg.kda_conv_size - 1, 3 * cfg.kda_dim), dtype),
-                                   recurrent=jnp.zeros((batch_size, h, hd, hd), jnp.float32)))
+            layers.append(KDAState(conv=jnp.zeros(shapes["conv"], dtype), recurrent=jnp.zeros(shapes["recurrent"], jnp.float32)))
         else:
-            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-            layers.append(MLAState(latent=jnp.zeros((batch_size, cache_length(max_len), width), dtype)))
+            layers.append(MLAState(latent=jnp.zeros(shapes["latent"], dtype)))
     return DecodeState(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
+
+
+def state_mismatch(cfg: K3Config, state: DecodeState) -> str | None:
+    """Why `state` is not one `init_state(cfg, ...)` makes (any MLA cache length), or None: the
+    first layer whose kind, shapes or recurrent dtype differ. The layer count is the caller's check."""
+    for i, (kind, layer) in enumerate(zip(cfg.layer_kinds, state.layers)):
+        cls = KDAState if kind == "kda" else MLAState
+        if not isinstance(layer, cls):
+            return f"layer {i} is {kind.upper()} in the config but the state holds a {type(layer).__name__}"
+        positions = layer.latent.shape[1] if cls is MLAState and layer.latent.ndim == 3 else 0
+        for name, shape in _layer_shapes(cfg, kind, state.batch_size, positions).items():
+            got = tuple(getattr(layer, name).shape)
+            if got != shape:
+                return f"layer {i} ({kind.upper()}) {name} is {list(got)}, the config needs {list(shape)}"
+        if cls is KDAState and layer.recurrent.dtype != jnp.float32:
+            return f"layer {i} (KDA) recurrent is {layer.recurrent.dtype}, the config needs float32"
+    return None
 
 
 def state_bytes(cfg: K3Config, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:

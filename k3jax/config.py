@@ -261,6 +261,12 @@ class K3Config:
             need(v is None or v > 0, f, f"must be positive, got {v}")
         for f in ("qk_rope_head_dim", "num_experts", "num_shared_experts", "first_k_dense_replace"):
             need(getattr(self, f) >= 0, f, f"must be >= 0, got {getattr(self, f)}")
+        for f in _FLOAT_FIELDS:                 # NaN or inf would only show as NaN logits (token 0)
+            v = getattr(self, f)
+            need(v is None and f in _OPTIONAL_FLOAT_FIELDS or isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and math.isfinite(v), f, f"must be a finite number, got {v!r}")
+        for f in ("rms_norm_eps", "routed_scaling_factor"):
+            need(getattr(self, f) > 0, f, f"must be positive, got {getattr(self, f)}")
         if not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             need(self.intermediate_size > 0, "intermediate_size", f"dense MLP layers need a positive width, "
                  f"got {self.intermediate_size}")
@@ -306,6 +312,8 @@ class K3Config:
             need(self.activation_situ_beta > 0, "activation_situ_beta", "must be positive")
 
 
+_OPTIONAL_FLOAT_FIELDS = ("kda_gate_lower_bound", "activation_situ_linear_beta")
+_FLOAT_FIELDS = ("rms_norm_eps", "routed_scaling_factor", "activation_situ_beta", *_OPTIONAL_FLOAT_FIELDS)
 _OPTIONAL_INT_FIELDS = ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size")
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kda_num_heads",

@@ -24,6 +24,9 @@ from k3jax.model import K3Model, host_token_ids
 from k3jax.weights import check_fits, check_int, check_seed, describe
 
 STOP_CHECK_EVERY = 8
+# Below this a positive temperature is greedy in effect, and logits / temperature can overflow
+# float32 (inf - inf = NaN: token 0); 0 is greedy.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class SamplingParams:
         check_int("top_k", self.top_k)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where logits / temperature "
+                             f"overflows float32; use 0 for greedy decoding")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.backend import XLA, KernelPlan
-from k3jax.cache import DecodeState, KDAState, MLAState, init_state
+from k3jax.cache import DecodeState, KDAState, MLAState, init_state, state_mismatch
 from k3jax.config import K3Config
 from k3jax.layers import DecoderLayer, Linear, RMSNorm, norm_param, normal_param
 from k3jax.sharding import constrain_state
@@ -50,6 +50,9 @@ class K3Model(nnx.Module):
         """tokens [B, T] int32 -> (logits float32 [B, T, V] or, with last_only, [B, V] at each
         sequence's last real token; new state). num_new [B] real tokens per row (default T)."""
         cfg = self.cfg
+        if not isinstance(self.plan, KernelPlan):
+            raise TypeError(f"model.plan must be a KernelPlan, got {type(self.plan).__name__} {self.plan!r}; "
+                            f"set it to k3jax.backend.KernelPlan.for_backend(...)")
         b, t = _check_forward_args(tokens, state, num_new, cfg, self.dtype)
         num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new, jnp.int32)
         valid = jnp.arange(t)[None, :] < num_new[:, None]                            # [B, T]
@@ -139,8 +142,15 @@ def _check_forward_args(tokens, state, num_new, cfg: K3Config, dtype) -> tuple[i
     if state.batch_size != b or len(state.layers) != num_layers:
         raise ValueError(f"state holds {state.batch_size} sequences x {len(state.layers)} layers but tokens has "
                          f"batch size {b} and the model {num_layers} layers; use init_state(model.cfg, {b}, max_len, model.dtype)")
-    if num_new is not None and jnp.shape(num_new) != (b,):
-        raise ValueError(f"num_new must have shape [{b}] (one count per sequence), got {list(jnp.shape(num_new))}")
+    if num_new is not None:
+        if jnp.shape(num_new) != (b,):
+            raise ValueError(f"num_new must have shape [{b}] (one count per sequence), got {list(jnp.shape(num_new))}")
+        count_dt = jnp.asarray(num_new).dtype
+        if count_dt == jnp.bool_ or not jnp.issubdtype(count_dt, jnp.integer):
+            raise ValueError(f"num_new must hold integer counts, got {count_dt}")
+    mismatch = state_mismatch(cfg, state)
+    if mismatch is not None:
+        raise ValueError(f"state does not fit the model's config: {mismatch}; use init_state(model.cfg, {b}, max_len, model.dtype)")
     cached = {jnp.dtype(s.conv.dtype if isinstance(s, KDAState) else s.latent.dtype).name for s in state.layers}
     if cached != {jnp.dtype(dtype).name}:
         raise ValueError(f"state caches are {'/'.join(sorted(cached))} but the model computes in "

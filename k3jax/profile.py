@@ -28,7 +28,7 @@ Matching a CUPTI kernel name to HLO (`match` field):
             lists the step's library custom calls it may come from;
   "unmatched" nothing found.
 
-JSON (written atomically; `--out`, default benchmarks/results/profile-<preset>-<backend>-b<B>-c<C>-<date>.json):
+JSON (written atomically; `--out`, default benchmarks/results/profile-<preset>-<backend>-b<B>-c<C>-<date>.json, without a GPU under benchmarks/results/cpu/):
   meta: kind "profile", preset, config, device, platform, jax, date, command, backend, granularity,
         batch, context, steps, warmup, dtype, expert_format, mesh, ep_variant, devices (the mesh's,
         else 1), kernels (op -> implementation the plan asked for), fallbacks ("op/impl" -> why the
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
                    help="mxfp4, bf16, mxfp4-rows or mxfp4-tiles (MXFP4 in row / kernel tile order; default: the preset's)")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. ep=2 (k3jax.sharding)")
     p.add_argument("--ep-variant", default="auto", help="with --mesh: expert dispatch variant")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile-...json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile-...json; without a GPU benchmarks/results/cpu/...)")
     a = p.parse_args(argv)
     command = "python -m k3jax.profile " + " ".join(sys.argv[1:] if argv is None else argv)
     return run_cli("k3jax.profile", lambda: _main(a, command))
@@ -548,8 +548,8 @@ def _main(a: argparse.Namespace, command: str) -> int:
     result = profile_step(a.preset, a.backend, gran, a.batch, a.context, steps=a.steps, warmup=a.warmup,
                           dtype=a.dtype, expert_format=a.expert_format, mesh=a.mesh, ep_variant=a.ep_variant,
                           command=command)
-    out = a.out or (f"benchmarks/results/profile-{result['meta']['preset']}-{a.backend}-b{a.batch}-c{a.context}-"
-                    f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = a.out or bench.default_out(f"profile-{result['meta']['preset']}-{a.backend}-b{a.batch}-c{a.context}-"
+                                     f"{time.strftime('%Y%m%d-%H%M%S')}.json")
     atomic.write_json(out, result)
     table = markdown(result)
     stem = out[:-5] if out.endswith(".json") else out

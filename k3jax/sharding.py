@@ -104,6 +104,8 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> Mesh:
     Uses the first dp*ep*tp devices of `devices` (default: all devices of all processes; in a
     multi-process run the mesh must span every device).
     """
+    if not isinstance(spec, (str, dict)):
+        raise MeshError(f"a mesh is a spec like 'ep=8' (or {{'ep': 8}}) or a jax Mesh, got {type(spec).__name__} {spec!r}")
     # a dict goes through the spec's checks too: names (aliases included) and sizes >= 1
     sizes = parse_mesh(spec if isinstance(spec, str) else ",".join(f"{k}={v}" for k, v in spec.items()))
     n = math.prod(sizes[a] for a in AXES)
@@ -251,8 +253,11 @@ def set_ep_variant(model, variant: str):
     """Selects the expert-parallel dispatch of every LatentMoE (k3jax.moe_parallel.VARIANTS or
     "auto"); a static attribute, so the next jit call retraces."""
     from k3jax.layers import LatentMoE
-    from k3jax.moe_parallel import resolve_variant
+    from k3jax.moe_parallel import resolve_variant, unavailable
     resolve_variant(variant, 1)  # validates the name
+    why = unavailable(variant)
+    if why is not None:     # as decode --ep-variant: refused here, not by XLA after compiling
+        raise ValueError(f"ep variant {variant!r} cannot run here: {why}")
     for _, module in nnx.iter_graph(model):
         if isinstance(module, LatentMoE):
             module.ep_variant = variant

@@ -100,6 +100,8 @@ def check_fits(cfg: K3Config, dtype, *, mesh=None, batch: int = 0, max_len: int 
     usable = have if have is None or batch <= 0 else weights + int((1 - DECODE_HEADROOM) * (have - weights))
     if usable is None or (need <= usable and weights <= have):
         return need
+    if weights > have:      # the parameters alone do not fit: the whole free memory is the room
+        usable = have
     parts = ([f"{_gib(weights)} parameters"] if params else []) + (
         [f"{_gib(state)} decode state for batch {batch} x {max_len} tokens",
          f"{_gib(activations)} activations"] if batch > 0 else [])

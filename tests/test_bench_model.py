@@ -157,3 +157,10 @@ def test_model_sweep_ablation_rows(tmp_path):
     assert "attn_res_mix_norm/pallas" in ablated["fallbacks"]        # D = 64: not a kernel shape
     for bad in ("attn_res_mix_norm", "warp=pallas", "linear=triton"):
         assert bench.main(["--model", "--preset", "k3-tiny", "--ablate", bad, "--out", str(out)]) == 2
+
+
+def test_default_out_keeps_cpu_runs_out_of_the_published_results():
+    """Without a GPU the default result path is under benchmarks/results/cpu/ (git-ignored), outside
+    the `benchmarks/results/*.json` that `--report --update README.md` reads."""
+    assert bench.default_out("ops-x.json") == "benchmarks/results/cpu/ops-x.json"
+

@@ -188,6 +188,21 @@ def test_other_validation_errors():
         K3Config.from_hf("config.json")
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps: must be positive, got -1.0"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps: must be positive"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor: must be a finite number, got nan"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor: must be a finite number"),
+    ({"activation_situ_linear_beta": float("nan")}, "activation_situ_linear_beta: must be a finite number"),
+    ({"activation_situ_beta": "1"}, "activation_situ_beta: must be a finite number, got '1'"),
+])
+def test_float_fields_that_would_only_show_as_nan_logits(change, message):
+    """A non-positive eps or a non-finite factor ran to NaN logits, which greedy decoding turns
+    into token 0 without a word: refused at the config."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        get_preset("k3-tiny", **change)
+
+
 def test_plain_text_config_equals_wrapper():
     wrapped = K3Config.from_hf(PRESETS["k3-full"], name="x")
     text = k3_text()

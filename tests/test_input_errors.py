@@ -41,6 +41,7 @@ def free_memory(monkeypatch, nbytes: int):
     ({"pad_id": 10**6}, ValueError, "pad_id must be a token id below the vocabulary size 512"),
     ({"top_k": 2.5}, TypeError, "top_k must be an int"),
     ({"temperature": "hot"}, TypeError, "temperature must be a number"),
+    ({"temperature": 1e-45}, ValueError, "temperature 1e-45 is below 1e-06.*use 0 for greedy"),
 ])
 def test_generate_bad_arguments(model, kwargs, error, match):
     args = {"input_ids": PROMPTS, "max_new_tokens": 4, **kwargs}
@@ -77,6 +78,44 @@ def test_forward_bad_state_or_tokens(model):
         model.forward(jnp.ones((2, 1), jnp.int32), None)
     with pytest.raises(ValueError, match=r"num_new must have shape \[2\]"):
         model.forward(jnp.ones((2, 1), jnp.int32), k3jax.init_state(cfg, 2, 8), jnp.ones((3,), jnp.int32))
+
+
+def test_forward_refuses_a_state_or_plan_of_another_config(model):
+    """A state from another config (e.g. init_state(get_preset(...)) after from_pretrained(...,
+    kv_lora_rank=...)) is named layer by layer, not a broadcasting error deep in the layers; a
+    plan that is not a KernelPlan is named too; num_new must hold integers (2.7 was truncated)."""
+    import dataclasses
+    cfg, dt, ids = model.cfg, model.dtype, jnp.ones((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"layer 3 \(MLA\) latent is \[1, 64, 24\], the config needs \[1, 64, 40\]"):
+        model.forward(ids, k3jax.init_state(dataclasses.replace(cfg, kv_lora_rank=16), 1, 8, dt))
+    with pytest.raises(ValueError, match=r"layer 0 \(KDA\) conv is"):
+        model.forward(ids, k3jax.init_state(dataclasses.replace(cfg, kda_num_heads=2), 1, 8, dt))
+    state = k3jax.init_state(cfg, 1, 8, dt)
+    swapped = dataclasses.replace(state, layers=(state.layers[3], *state.layers[1:3], state.layers[0], *state.layers[4:]))
+    with pytest.raises(ValueError, match="layer 0 is KDA in the config but the state holds a MLAState"):
+        model.forward(ids, swapped)
+    for counts in (jnp.array([1.7]), jnp.array([True])):
+        with pytest.raises(ValueError, match="num_new must hold integer counts"):
+            model.forward(ids, state, counts)
+    plan = model.plan
+    try:
+        model.plan = "pallas"
+        with pytest.raises(TypeError, match="model.plan must be a KernelPlan, got str 'pallas'"):
+            model.forward(ids, state)
+    finally:
+        model.plan = plan
+
+
+def test_init_state_checks_its_arguments(model):
+    cfg = model.cfg
+    for batch, max_len in ((0, 8), (1, -5), (1.5, 8), (True, 8)):
+        with pytest.raises(ValueError, match="init_state: (batch_size|max_len) must be an integer >= 1"):
+            k3jax.init_state(cfg, batch, max_len)
+    with pytest.raises(TypeError, match="init_state takes a K3Config .model.cfg., got K3Model"):
+        k3jax.init_state(model, 1, 8)
+    with pytest.raises(ValueError, match="unknown dtype 'half'"):
+        k3jax.init_state(cfg, 1, 8, "half")
+    assert k3jax.init_state(cfg, 1, 8, "bf16").layers[0].conv.dtype == jnp.bfloat16
 
 
 def test_forward_checks_values_it_can_see(model):
@@ -190,3 +229,18 @@ def test_mesh_specs_and_meshes_are_checked():
         sharding.make_mesh({"experts": 2})
     with pytest.raises(sharding.MeshError, match=r"axes \('data', 'expert', 'tensor'\), got \('x',\)"):
         k3jax.from_pretrained("k3-tiny", dtype="float32", mesh=Mesh(np.array(jax.devices()), ("x",)))
+    with pytest.raises(sharding.MeshError, match="a mesh is a spec like 'ep=8'.*got int 3"):
+        k3jax.from_pretrained("k3-tiny", dtype="float32", mesh=3)
+
+
+def test_ep_variant_that_cannot_run_here_is_refused(model):
+    """As decode --ep-variant: one line when the variant is set, not XLA's UNIMPLEMENTED after compiling."""
+    with pytest.raises(ValueError, match="ep variant 'ragged' cannot run here: ragged_all_to_all does not run on XLA:CPU"):
+        sharding.set_ep_variant(model, "ragged")
+
+
+def test_out_of_memory_message_when_the_parameters_alone_do_not_fit(model, monkeypatch):
+    """The room quoted is the free memory (it was parameters + 90% of a negative rest: more than free)."""
+    free_memory(monkeypatch, 1 << 20)
+    with pytest.raises(k3jax.OutOfMemoryError, match=r"more than the ~0.00 GiB a cpu device has for it; use a smaller preset"):
+        weights.check_fits(model.cfg, jnp.float32, batch=1, max_len=8)
