@@ -50,7 +50,7 @@ class K3Model(nnx.Module):
         """tokens [B, T] int32 -> (logits float32 [B, T, V] or, with last_only, [B, V] at each
         sequence's last real token; new state). num_new [B] real tokens per row (default T)."""
         cfg = self.cfg
-        if not isinstance(self.plan, KernelPlan):
+        if not (callable(self.plan) and hasattr(self.plan, "runs_kernel")):    # a KernelPlan or a wrapper (k3jax.trace)
             raise TypeError(f"model.plan must be a KernelPlan, got {type(self.plan).__name__} {self.plan!r}; "
                             f"set it to k3jax.backend.KernelPlan.for_backend(...)")
         b, t = _check_forward_args(tokens, state, num_new, cfg, self.dtype)
