@@ -78,6 +78,7 @@ def run_cli(prog: str, work: Callable[[], int]) -> int:
     file, OutOfMemoryError) -> one error line on stderr and status 2. Sets XLA's GPU memory
     fraction to 0.94 unless the environment already sets it."""
     from k3jax.config import ConfigError
+    from k3jax.launch import ERROR_FILE_ENV
     from k3jax.weights import OutOfMemoryError
     # Before the first device use: big presets fill the GPU, so XLA's allocator may take nearly all
     # of it (its default, 75%, leaves k3-h200 short of memory).
@@ -85,7 +86,13 @@ def run_cli(prog: str, work: Callable[[], int]) -> int:
     try:
         return work()
     except (ConfigError, ValueError, OSError, OutOfMemoryError) as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
+        line = f"{prog}: error: {e}\n"
+        path = os.environ.get(ERROR_FILE_ENV)
+        if path:        # one process of a spawned job: its launcher prints each distinct line once
+            with open(path, "w") as f:
+                f.write(line)
+        else:
+            sys.stderr.write(line)
         return 2
 
 

@@ -15,6 +15,11 @@ import os
 import re
 import socket
 import subprocess
+import sys
+import tempfile
+
+# Where a spawned process's run_cli writes its one-line error instead of stderr (`spawn` prints them).
+ERROR_FILE_ENV = "K3JAX_ERROR_FILE"
 
 
 def on_cpu() -> bool:
@@ -51,15 +56,32 @@ def spawn(command: list[str], processes: int, *, cpu_devices: int = 1, timeout: 
     """Runs `processes` copies of `command` (argv, e.g. [sys.executable, "-m", "k3jax.decode", ...])
     as one distributed job and returns its exit status (the largest of the copies' in magnitude:
     0 when all succeeded); on a timeout or an interrupt the remaining copies are killed (and the
-    error re-raised)."""
+    error re-raised). The copies' one-line errors (k3jax.cli.run_cli) are printed after they end,
+    each distinct line once: every process refusing the same input says so in one line."""
     if processes < 2:
         raise ValueError(f"spawn needs at least 2 processes, got {processes}")
     coordinator = _free_coordinator()
-    procs = [subprocess.Popen([*command, "--process-id", str(i), "--coordinator", coordinator], env=_env(cpu_devices))
-             for i in range(processes)]
-    try:
-        return max((p.wait(timeout=timeout) for p in procs), key=abs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with tempfile.TemporaryDirectory(prefix="k3jax-errors-") as errors:
+        procs = [subprocess.Popen([*command, "--process-id", str(i), "--coordinator", coordinator],
+                                  env={**_env(cpu_devices), ERROR_FILE_ENV: os.path.join(errors, str(i))})
+                 for i in range(processes)]
+        try:
+            return max((p.wait(timeout=timeout) for p in procs), key=abs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            _print_errors(errors, processes)
+
+
+def _print_errors(folder: str, processes: int) -> None:
+    """Each distinct error line the processes left in `folder` once, on stderr (naming the
+    processes when they differ)."""
+    lines: dict[str, list[int]] = {}
+    for i in range(processes):
+        path = os.path.join(folder, str(i))
+        if os.path.exists(path):
+            with open(path) as f:
+                lines.setdefault(f.read().rstrip("\n"), []).append(i)
+    for line, ids in lines.items():
+        sys.stderr.write(line + ("" if len(lines) == 1 else f" (process {', '.join(map(str, ids))})") + "\n")

@@ -244,3 +244,16 @@ def test_torch_reference_shows_help_and_names_its_install_without_torch(monkeypa
     assert exc.value.code == 0 and "--model" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="bash scripts/setup.sh torch"):
         ref.main(["--ops"])
+
+
+def test_spawned_processes_refusing_the_same_input_print_one_line(capfd):
+    """`decode --processes N`: every process refuses the same input (e.g. out of memory) - one line,
+    as without --processes; lines that differ come each once with their processes."""
+    from k3jax import launch
+    fail = ("import sys; from k3jax.cli import run_cli; pid = sys.argv[sys.argv.index('--process-id') + 1]; "
+            "sys.exit(run_cli('k3jax.x', lambda: (_ for _ in ()).throw(ValueError({}))))")
+    assert launch.spawn([sys.executable, "-c", fail.format("'the same for all'")], 2) == 2
+    assert capfd.readouterr().err.count("k3jax.x: error: the same for all") == 1
+    assert launch.spawn([sys.executable, "-c", fail.format("'only ' + pid")], 2) == 2
+    err = capfd.readouterr().err
+    assert "k3jax.x: error: only 0 (process 0)" in err and "k3jax.x: error: only 1 (process 1)" in err
