@@ -44,6 +44,7 @@ INSTALL_HINT = ("benchmarks/torch_reference.py needs PyTorch and transformers: b
                 "(or pip install -e .[torch])")
 
 from k3jax import atomic  # noqa: E402
+from k3jax.bench import default_out  # noqa: E402
 from k3jax.cli import int_list  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.costs import MEASURED_COPY_BANDWIDTH, decode_step_bytes  # noqa: E402
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="--model: untimed steps first (default 3)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sizes", default="k3", choices=["k3", "small"], help="--ops: small is a CPU smoke run")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/torch-<mode>-<date>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/torch-<mode>-<date>.json; on CPU benchmarks/results/cpu/...)")
     a = p.parse_args(argv)
     if torch is None:
         sys.exit(INSTALL_HINT)
@@ -321,10 +322,11 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.model:
         result = bench_model(a, device, dtype)
-        out = a.out or f"benchmarks/results/torch-model-{result['meta']['preset']}-{stamp}.json"
+        name = f"torch-model-{result['meta']['preset']}-{stamp}.json"
     else:
         result = bench_ops(a, device)
-        out = a.out or f"benchmarks/results/torch-ops-{stamp}.json"
+        name = f"torch-ops-{stamp}.json"
+    out = a.out or default_out(name, on_gpu=device.type == "cuda")
     atomic.write_json(out, result)
     print(f"results: {out}")
     return 1 if any(r.get("status") == "error" for r in result["rows"]) else 0

@@ -769,11 +769,13 @@ def main(argv=None) -> int:
 RESULTS_DIR = "benchmarks/results"
 
 
-def default_out(name: str) -> str:
+def default_out(name: str, on_gpu: bool | None = None) -> str:
     """Where a result goes without --out: RESULTS_DIR/name on a GPU; without one RESULTS_DIR/cpu/name
     (git-ignored, and outside the `benchmarks/results/*.json` that `--report --update` reads), so
-    a CPU smoke run never lands among the published GPU results."""
-    return os.path.join(RESULTS_DIR, *([] if jax.default_backend() == "gpu" else ["cpu"]), name)
+    a CPU smoke run never lands among the published GPU results. on_gpu: whether the run timed a
+    GPU (default: JAX's backend is one)."""
+    gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
+    return os.path.join(RESULTS_DIR, *([] if gpu else ["cpu"]), name)
 
 
 def _warn_without_gpu() -> None:

@@ -9,6 +9,7 @@ normalised latent, then the un-rotated shared key dims). `lengths` [B] counts ca
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import jax
@@ -59,6 +60,9 @@ def cache_length(max_len: int) -> int:
     return -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
 
 
+RECURRENT_DTYPE = jnp.float32     # the KDA recurrent state's, whatever the model's dtype
+
+
 def _layer_shapes(cfg: K3Config, kind: str, batch_size: int, positions: int) -> dict[str, tuple[int, ...]]:
     """The array shapes of one layer's state (`kind` "kda" or "mla"; MLA caches of `positions`)."""
     if kind == "kda":
@@ -81,7 +85,7 @@ def init_state(cfg: K3Config, batch_size: int, max_len: int, dtype=jnp.bfloat16)
     for kind in cfg.layer_kinds:
         shapes = _layer_shapes(cfg, kind, batch_size, cache_length(max_len))
         if kind == "kda":
-            layers.append(KDAState(conv=jnp.zeros(shapes["conv"], dtype), recurrent=jnp.zeros(shapes["recurrent"], jnp.float32)))
+            layers.append(KDAState(conv=jnp.zeros(shapes["conv"], dtype), recurrent=jnp.zeros(shapes["recurrent"], RECURRENT_DTYPE)))
         else:
             layers.append(MLAState(latent=jnp.zeros(shapes["latent"], dtype)))
     return DecodeState(lengths=jnp.zeros((batch_size,), jnp.int32), layers=tuple(layers))
@@ -99,13 +103,13 @@ def state_mismatch(cfg: K3Config, state: DecodeState) -> str | None:
             got = tuple(getattr(layer, name).shape)
             if got != shape:
                 return f"layer {i} ({kind.upper()}) {name} is {list(got)}, the config needs {list(shape)}"
-        if cls is KDAState and layer.recurrent.dtype != jnp.float32:
-            return f"layer {i} (KDA) recurrent is {layer.recurrent.dtype}, the config needs float32"
+        if cls is KDAState and layer.recurrent.dtype != RECURRENT_DTYPE:
+            return f"layer {i} (KDA) recurrent is {layer.recurrent.dtype}, the config needs {jnp.dtype(RECURRENT_DTYPE)}"
     return None
 
 
 def state_bytes(cfg: K3Config, batch_size: int, max_len: int, dtype_bytes: int = 2) -> int:
     """Bytes `init_state` allocates."""
-    kda = (cfg.kda_conv_size - 1) * 3 * cfg.kda_dim * dtype_bytes + cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
-    mla = cache_length(max_len) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
-    return batch_size * (len(cfg.kda_layers) * kda + len(cfg.mla_layers) * mla)
+    return sum(math.prod(shape) * (jnp.dtype(RECURRENT_DTYPE).itemsize if name == "recurrent" else dtype_bytes)
+               for kind in cfg.layer_kinds
+               for name, shape in _layer_shapes(cfg, kind, batch_size, cache_length(max_len)).items())

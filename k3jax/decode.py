@@ -146,10 +146,8 @@ def run(args: argparse.Namespace, request: Request) -> dict:
     from k3jax.costs import copy_bandwidth, decode_step_bytes
 
     if args.mesh and args.ep_variant != "auto":     # needs the backend, so not in prepare()
-        from k3jax.moe_parallel import unavailable
-        why = unavailable(args.ep_variant)
-        if why:
-            raise ValueError(f"--ep-variant {args.ep_variant} cannot run here: {why}")
+        from k3jax.moe_parallel import check_available
+        check_available(args.ep_variant, f"--ep-variant {args.ep_variant}")
     # The weights, the decode state and the logits of every sequence fit, before anything is
     # built (the sequences are expanded only then: a huge --batch-size ends here, in one line).
     from k3jax.sharding import as_mesh

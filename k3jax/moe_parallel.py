@@ -107,6 +107,13 @@ def unavailable(variant: str, platform: str | None = None) -> str | None:
     return None
 
 
+def check_available(variant: str, name: str) -> None:
+    """ValueError "{name} cannot run here: why" when `variant` cannot run on JAX's default backend."""
+    why = unavailable(variant)
+    if why is not None:
+        raise ValueError(f"{name} cannot run here: {why}")
+
+
 def _expert_rows(rows, local_ids, valid, experts: ops.ExpertWeights, impl, act_kw) -> jax.Array:
     """rows [R, M], local_ids [R], valid [R] bool -> per-row expert outputs [R, M], zero where not
     valid: `impl` (ops.moe_experts or a kernel with its contract) with k = 1, weight 1 on valid rows.

@@ -322,7 +322,7 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
     cannot run (no such granularity for the backend, a context too long, a state that does not fit).
     Under a mesh CUPTI sees every device's kernels: the per-step numbers are averaged per device."""
     import k3jax
-    from k3jax import moe_parallel, sharding
+    from k3jax import sharding
     from pallas_kernels import registry
     plan = bench.granularity_plan(backend, granularity)
     if isinstance(plan, str):
@@ -331,10 +331,7 @@ def profile_step(preset: str, backend: str, granularity: str, batch: int, contex
     model.plan = plan
     model_mesh = sharding.model_mesh(model)
     if model_mesh is not None:
-        why = moe_parallel.unavailable(ep_variant)
-        if why:
-            raise ValueError(f"--ep-variant {ep_variant}: {why}")
-        sharding.set_ep_variant(model, ep_variant)
+        sharding.set_ep_variant(model, ep_variant)      # refuses a variant that cannot run here
     # Warm-up, the wall-clock steps and the CUPTI steps (None without CUPTI) advance one preallocated state.
     total = bench.steps_needed(warmup, steps, 2)
     why = bench.point_unfit(model, batch, context, total)

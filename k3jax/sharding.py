@@ -253,11 +253,9 @@ def set_ep_variant(model, variant: str):
     """Selects the expert-parallel dispatch of every LatentMoE (k3jax.moe_parallel.VARIANTS or
     "auto"); a static attribute, so the next jit call retraces."""
     from k3jax.layers import LatentMoE
-    from k3jax.moe_parallel import resolve_variant, unavailable
+    from k3jax.moe_parallel import check_available, resolve_variant
     resolve_variant(variant, 1)  # validates the name
-    why = unavailable(variant)
-    if why is not None:     # as decode --ep-variant: refused here, not by XLA after compiling
-        raise ValueError(f"ep variant {variant!r} cannot run here: {why}")
+    check_available(variant, f"ep variant {variant!r}")     # here, not by XLA after compiling
     for _, module in nnx.iter_graph(model):
         if isinstance(module, LatentMoE):
             module.ep_variant = variant

@@ -96,12 +96,12 @@ def check_fits(cfg: K3Config, dtype, *, mesh=None, batch: int = 0, max_len: int 
     device = jax.local_devices()[0]
     have = device_memory_bytes(device)
     # The parameters may fill the free memory; the decode state and activations get all but the
-    # headroom of what the parameters leave (the rule from_pretrained then generate apply).
-    usable = have if have is None or batch <= 0 else weights + int((1 - DECODE_HEADROOM) * (have - weights))
-    if usable is None or (need <= usable and weights <= have):
+    # headroom of what the parameters leave (the rule from_pretrained then generate apply). When the
+    # parameters alone do not fit, the room is the free memory.
+    usable = (have if have is None or batch <= 0 or weights > have
+              else weights + int((1 - DECODE_HEADROOM) * (have - weights)))
+    if usable is None or need <= usable:
         return need
-    if weights > have:      # the parameters alone do not fit: the whole free memory is the room
-        usable = have
     parts = ([f"{_gib(weights)} parameters"] if params else []) + (
         [f"{_gib(state)} decode state for batch {batch} x {max_len} tokens",
          f"{_gib(activations)} activations"] if batch > 0 else [])

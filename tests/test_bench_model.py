@@ -163,4 +163,5 @@ def test_default_out_keeps_cpu_runs_out_of_the_published_results():
     """Without a GPU the default result path is under benchmarks/results/cpu/ (git-ignored), outside
     the `benchmarks/results/*.json` that `--report --update README.md` reads."""
     assert bench.default_out("ops-x.json") == "benchmarks/results/cpu/ops-x.json"
+    assert bench.default_out("torch-ops-x.json", on_gpu=True) == "benchmarks/results/torch-ops-x.json"
 
