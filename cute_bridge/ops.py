@@ -12,8 +12,10 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 distinct selected experts (k3jax.ops.expert_dispatch) and each one's token slots
                 (`expert_slots`), then moe_gate_up_t{T}, k3jax.ops.glu in XLA (the one formula),
                 moe_down_t{T} (each slot's weighted output, float32), summed over each token's k
-                slots in XLA. T = 1 for one token, else 8: more than 8 tokens run in equal chunks
-                of at most 8 (ops.map_token_chunks), each reading its experts once. The kernels take the
+                slots in XLA. T = 1 for one token, else 8; more than 8 tokens run grouped
+                (ops.expert_groups: each selected expert's choices in rows of at most 8, so an
+                expert with more takes several rows), in calls of at most ops.GROUPED_MAX_TOKENS
+                (until session 28: calls of 8 tokens, each reading its experts). The kernels take the
                 activations in the decode's pair order (permute_x; experts in tiles store their codes
                 in that order, mxfp4.pair_nibbles, and take them as they are: no XLA pass over z);
                 exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (2..128). A block
@@ -173,16 +175,32 @@ def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.E
     if reason:
         return fallback("moe_experts", "cute", reason)(z, ids, weights, experts, act=act, beta=beta,
                                                 linear_beta=linear_beta, expert_chunk=expert_chunk)
-    run = lambda zc, ic, wc: _moe_tokens(zc, ic, wc, experts, act, beta, linear_beta, block_rows)  # noqa: E731
-    return ops.map_token_chunks(run, z, ids, weights, MOE_TOKENS[-1])
+    act_kw = dict(act=act, beta=beta, linear_beta=linear_beta, block_rows=block_rows)
+    if z.shape[0] <= MOE_TOKENS[-1]:
+        tokens = next(t for t in MOE_TOKENS if t >= z.shape[0])
+        return _moe_kernels(z, *expert_slots(ids, weights, experts.w1.shape[0], tokens), experts, tokens, **act_kw)
+    run = lambda zc, ic, wc: _moe_kernels(zc, *_expert_groups(ic, wc, experts.w1.shape[0]), experts,  # noqa: E731
+                                          MOE_TOKENS[-1], **act_kw)
+    return ops.map_token_chunks(run, z, ids, weights, ops.GROUPED_MAX_TOKENS)
 
 
-def _moe_tokens(z, ids, weights, experts: ops.ExpertWeights, act, beta, linear_beta, block_rows) -> jax.Array:
-    """moe_experts for N <= MOE_TOKENS[-1] tokens: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype."""
+def _expert_groups(ids: jax.Array, weights: jax.Array, num_experts: int):
+    """expert_slots' outputs for the grouped schedule (more tokens than a kernel's columns): every
+    slot of ops.expert_groups is a grid row naming up to MOE_TOKENS[-1] of its expert's choices, so
+    an expert with more choices takes several rows (and reads its weights once per row)."""
+    n, k = ids.shape
+    uniq, choices, _ = ops.expert_groups(ids, num_experts, MOE_TOKENS[-1])
+    kept = ids < num_experts
+    return uniq, jnp.where(choices < n * k, choices, -1), kept, jnp.where(kept, weights, 0.0).astype(jnp.float32)
+
+
+def _moe_kernels(z, uniq, slots, kept, coef, experts: ops.ExpertWeights, tokens: int, *, act, beta, linear_beta,
+                 block_rows) -> jax.Array:
+    """The two MoE kernels (T = tokens columns) over the grid rows uniq [U] / slots [U, T] naming
+    the choices n*k + j they fill (kept [N, k], coef [N, k]: expert_slots):
+    z [N, M] -> [N, M] in z's dtype."""
     n, m = z.shape
-    k = ids.shape[1]
-    tokens = next(t for t in MOE_TOKENS if t >= n)
-    uniq, slots, kept, coef = expert_slots(ids, weights, experts.w1.shape[0], tokens)
+    k = kept.shape[1]
     if block_rows > MOE_BLOCK_ROWS[0] and (m % MOE_WIDE_MULTIPLE or experts.w1.shape[1] % MOE_WIDE_MULTIPLE):
         block_rows = MOE_BLOCK_ROWS[0]      # one row tile: every shape the kernels cover
     kernel = f"t{tokens}" + ("" if block_rows == MOE_BLOCK_ROWS[0] else f"_rows{block_rows}") + (

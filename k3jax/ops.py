@@ -424,6 +424,44 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     return uniq, coef
 
 
+GROUPED_MAX_TOKENS = 256   # tokens per call of the kernels' grouped schedules: bounds their per-choice buffers
+
+
+def expert_groups_bound(tokens: int, k: int, num_experts: int, group: int) -> int:
+    """Static bound on expert_groups' slot count: each selected expert's choices fill
+    ceil(count / group) slots, at most (N*k + (group - 1) * min(E, N*k)) / group in all."""
+    choices = tokens * k
+    return min(choices, (choices + (group - 1) * min(num_experts, choices)) // group)
+
+
+def expert_groups(ids: jax.Array, num_experts: int, group: int):
+    """Each selected expert's own choices, in slots of at most `group` (the kernels' grouped dispatch).
+
+    ids [N, k]. Every choice n*k + j with ids[n, j] < num_experts gets one column of one slot of
+    its expert; slots run in expert order, an expert's choices in token order. With
+    S = expert_groups_bound(N, k, E, group), returns
+      uniq [S] int32: each slot's expert, num_experts for the unused slots at the end;
+      choices [S, group] int32: the choice n*k + j in each column, N*k where unused (so
+        choices // k is its token, and N for an unused column);
+      where [N, k] int32: slot * group + column of each choice, S * group for ids >= num_experts.
+    One stable sort of the N*k ids; every write lands on its own position (deterministic).
+    """
+    n, k = ids.shape
+    size = expert_groups_bound(n, k, num_experts, group)
+    flat = jnp.minimum(ids.reshape(-1).astype(jnp.int32), num_experts)       # >= E: no expert here
+    order = jnp.argsort(flat, stable=True)
+    count = jnp.bincount(flat, length=num_experts + 1)
+    start = jnp.cumsum(count) - count
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(n * k, dtype=jnp.int32) - start[flat[order]])
+    end = jnp.cumsum(-(-count[:num_experts] // group))                       # [E]: each expert's last slot + 1
+    first = jnp.concatenate([jnp.zeros((1,), end.dtype), end])[flat]         # its first slot (E: past the end)
+    where = jnp.where(flat < num_experts, (first + rank // group) * group + rank % group, size * group)
+    where = where.astype(jnp.int32)
+    uniq = jnp.sum(end[None, :] <= jnp.arange(size)[:, None], axis=1).astype(jnp.int32)
+    choices = jnp.full((size * group,), n * k, jnp.int32).at[where].set(jnp.arange(n * k, dtype=jnp.int32), mode="drop")
+    return uniq, choices.reshape(size, group), where.reshape(n, k)
+
+
 def map_token_chunks(fn, z: jax.Array, ids: jax.Array, weights: jax.Array, max_rows: int) -> jax.Array:
     """fn(z [R, M], ids [R, k], weights [R, k]) -> [R, M], over N tokens in equal chunks of at most
     `max_rows` rows (one `lax.map` step each). Padding rows (fewer than a chunk, all in the last

@@ -1,6 +1,6 @@
 """Routed experts at decode: y = sum_k w[n,k] * down(glu(gate(z), up(z))) of the selected experts.
 
-z [N, M] bf16 (calls of at most MAX_TOKENS = 64 tokens), ids/weights [N, k], experts either in the
+z [N, M] bf16, ids/weights [N, k], experts either in the
 compressed-tensors MXFP4 layout (packed uint8 [E, out, in/2], scales uint8 [E, out, in/32]; see
 k3jax.mxfp4; W4A16) or bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
 dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected experts (static bound
@@ -68,9 +68,20 @@ while it multiplies) and 32-64 tokens 2 stages in <= 96 KB; the down kernel (one
 stages in <= 96 KB up to 32 tokens (3 at 64). A 256-column step would leave one stage per program
 at the two-programs budget (or one program per SM); 128 also divides Kimi-Linear's M = 2304.
 
-More than MAX_TOKENS tokens run as several calls. Anything else (float32 experts, M or I not a
-multiple of the step: 512 for MXFP4, 128 for bf16; non-bf16 z) runs the reference; `covers()` says
-which, and the first fallback per reason is logged.
+Past 32 tokens (MXFP4; bf16 past MAX_TOKENS = 64: GROUPED_FROM) the same kernels run the
+grouped schedule (`_moe_groups`): each selected expert only on its own tokens. ops.expert_groups
+gives every choice (token, j) a column of a slot of at most SLOT_TOKENS = 8 tokens of its expert
+(an expert with more tokens takes several slots, side by side); z is gathered per slot [S, 8, M],
+the gate/up kernel reads each slot's own activations and coefficients, the down kernel runs one
+split per slot (its partial [M, 8] is the slot's output) and each token sums its k partial rows
+in choice order (a gather: deterministic, no scatter-add). The row schedule runs every distinct
+expert on all N tokens: at 32 tokens ~19x the needed wgmma work (~309 of 448 experts x 32 tokens
+for 32 x 16 choices), and past 64 tokens it took several calls, each reading its experts again.
+Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot copies (z k times,
+float32 partials 2k times z's bytes). Measurements: docs/pallas.md ("The grouped MoE schedule").
+
+Anything else (float32 experts, M or I not a multiple of the step: 512 for MXFP4, 128 for bf16;
+non-bf16 z) runs the reference; `covers()` says which, and the first fallback per reason is logged.
 """
 
 from __future__ import annotations
@@ -103,6 +114,17 @@ QUADS = MX_STEP // 128     # 128-column blocks per step: one 16-byte group per t
 # Experts in tiles (mxfp4.to_tiles): a quad is one tile chunk, per row TILE_CODES code bytes and TILE_SCALES scales.
 TILE_CODES, TILE_SCALES = mxfp4.TILE_COLS // 2, mxfp4.TILE_COLS // mxfp4.GROUP
 MAX_TOKENS = 64
+# Tokens from which each expert runs only on its own tokens (`_moe_groups`), by is_mxfp4: MXFP4
+# past 32 (at 32 the two schedules tie: 2475 vs 2500 us, K3 E=448 in tiles, H100, session 28;
+# at 128 tokens grouped is 2.6x faster), bf16 past one call of MAX_TOKENS (at 32 tokens the row
+# schedule already runs at the copy rate: Kimi-Linear 91%).
+GROUPED_FROM = {True: 33, False: MAX_TOKENS + 1}
+# Tokens per slot of the grouped schedule. 8 keeps the kernels at their batch-8 form (gate/up 168
+# registers, three programs per SM); slots of 16 ran slower although they read each expert about
+# once (H100, session 28: 4586 vs 3703 us at 128 tokens, 4874 vs 4586 at 256, where slots of 8
+# read ~1.6 slots per expert), probably as their larger accumulators cost the third program.
+SLOT_TOKENS = 8
+assert max(GROUPED_FROM.values()) <= MAX_TOKENS + 1     # the row schedule takes at most MAX_TOKENS
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
 # SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
 # kernels are decode-latency bound: a third resident program (the register limit: 136 registers x
@@ -367,9 +389,10 @@ def _staging(body, staged: bool):
     return pl.run_scoped(body, plgpu.SMEM((BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
 
 
-def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
+def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slot: bool = False):
     """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
-    zt: z [Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
+    zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens [U, Np, M] in `_x_layout`;
+    gate, up: `_operands` of w1, w3; steps: M / step columns."""
     u_n, n_pad = coef.shape
     tiled = gate[0].ndim == 5
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
@@ -395,7 +418,7 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta):
                     plgpu.emit_pipeline(
                         step, grid=(steps,),
                         in_specs=_weight_specs(mx, tiled) * 2 + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
-                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), zt_g)
+                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), zt_g.at[ui] if per_slot else zt_g)
                     return acc_g[...], acc_u[...]
                 g, u = pl.run_scoped(
                     lambda a, b: _staging(functools.partial(accumulate, a, b), staged),
@@ -487,19 +510,46 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
-    Past MAX_TOKENS tokens: equal calls of at most MAX_TOKENS rows (ops.map_token_chunks), each
-    reading its own selected experts once."""
+    Below GROUPED_FROM tokens the distinct experts run on every token (`_moe_rows`); from there
+    each expert on its own tokens (`_moe_groups`), in equal calls of at most ops.GROUPED_MAX_TOKENS
+    rows (ops.map_token_chunks), each reading its selected experts once (an expert with more
+    tokens than a slot holds: once per slot)."""
     why = unsupported(z, experts)
     if why is not None:
         return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
                                                              linear_beta=linear_beta, expert_chunk=expert_chunk)
-    return ops.map_token_chunks(lambda zc, ic, wc: _moe_rows(zc, ic, wc, experts, act=act, beta=beta,
-                                                             linear_beta=linear_beta), z, ids, weights, MAX_TOKENS)
+    act_kw = dict(act=act, beta=beta, linear_beta=linear_beta)
+    if z.shape[0] < GROUPED_FROM[experts.is_mxfp4]:
+        return _moe_rows(z, ids, weights, experts, **act_kw)
+    return ops.map_token_chunks(lambda zc, ic, wc: _moe_groups(zc, ic, wc, experts, **act_kw),
+                                z, ids, weights, ops.GROUPED_MAX_TOKENS)
+
+
+def _moe_groups(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: float,
+                linear_beta: float | None) -> jax.Array:
+    """The grouped schedule over at most ops.GROUPED_MAX_TOKENS tokens: each slot (ops.expert_groups)
+    runs its expert on its own <= SLOT_TOKENS tokens only: the same two kernels, the activations
+    and coefficients per slot, one down split per slot (its partial [M, G] is the slot's output);
+    each token then sums its k partial rows in choice order (a gather: deterministic).
+    z [N, M] -> [N, M] in z's dtype."""
+    n_exp, inter = experts.w1.shape[:2]
+    m, g = z.shape[1], SLOT_TOKENS
+    step = _step(experts.is_mxfp4)
+    gate, up, down = _operands(experts)
+    uniq, choices, where = ops.expert_groups(ids, n_exp, g)
+    slots = uniq.shape[0]
+    zs = jnp.pad(z, ((0, 1), (0, 0)))[choices // ids.shape[1]]           # [S, G, M]; unused columns 0
+    coef = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, 1))[choices]
+    h = _gate_up(_x_layout(zs, experts), uniq, coef, gate, up, steps=m // step, act=act, beta=beta,
+                 linear_beta=linear_beta, per_slot=True)
+    part = _down(_x_layout(jnp.swapaxes(h, 1, 2), experts), uniq, down, slots, n_pad=g, steps=inter // step)
+    rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
+    return rows[where].sum(1).astype(z.dtype)
 
 
 def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: float,
               linear_beta: float | None) -> jax.Array:
-    """One kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's dtype."""
+    """The row schedule, one kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's dtype."""
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
@@ -523,7 +573,7 @@ registry.register("moe_experts", "pallas", moe_experts)
 _K3 = get_preset("k3-full")
 ACT = tuple(_K3.activation.items())
 K3_M, K3_I, K3_K = _K3.moe_hidden_size, _K3.moe_intermediate_size, _K3.num_experts_per_token
-BENCH_BATCHES = (1, 8, 32, 64, 128)
+BENCH_BATCHES = (1, 8, 32, 64, 128, 256)
 _KL = get_preset("kimi-linear-48b")      # bf16 experts, SwiGLU
 KL_SHAPE = (_KL.moe_hidden_size, _KL.moe_intermediate_size, _KL.num_experts, _KL.num_experts_per_token)
 KL_ACT = tuple(_KL.activation.items())
@@ -557,8 +607,10 @@ def cases() -> list[registry.Case]:
     small = [registry.Case(f"n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k), ACT, batch=n)
              for n, m, i, e, k in ((1, 512, 512, 4, 1), (2, 512, 512, 8, 2), (3, 1024, 512, 6, 2),
                                    (9, 512, 1024, 16, 4))]
-    # Past MAX_TOKENS: two calls of 35 rows (one padding row).
-    small.append(registry.Case("n69_two_calls", _make(69, 512, 512, 8, 2), ACT, batch=69))
+    # The grouped schedule (from GROUPED_FROM tokens): ~17 tokens per expert, each in 2-3 slots;
+    # bf16 past one row-schedule call.
+    small.append(registry.Case("grouped_n69", _make(69, 512, 512, 8, 2), ACT, batch=69))
+    small.append(registry.Case("bf16_grouped_n70", _make(70, 128, 256, 8, 2, "bf16"), ACT, batch=70))
     small.append(registry.Case("silu_n1", _make(1, 512, 512, 4, 1), (("act", "silu"), ("beta", 1.0),
                                                                       ("linear_beta", None)), batch=1))
     small += [registry.Case(f"bf16_n{n}_m{m}_i{i}_e{e}_k{k}", _make(n, m, i, e, k, "bf16"), ACT, batch=n)
@@ -572,7 +624,7 @@ def cases() -> list[registry.Case]:
     k3 = [registry.Case(f"k3_e{e}_b{b}", _make(b, K3_M, K3_I, e, K3_K), ACT, batch=b, sizes=frozenset({"k3"}))
           for e in (448, 896) for b in BENCH_BATCHES]
     k3 += [registry.Case(f"k3_e448_tiles_b{b}", _make(b, K3_M, K3_I, 448, K3_K, "mxfp4-tiles"), ACT, batch=b,
-                         sizes=frozenset({"k3"})) for b in (1, 8)]       # experts stored in tiles (mxfp4.to_tiles)
+                         sizes=frozenset({"k3"})) for b in (1, 8, 32, 128)]   # experts in tiles (mxfp4.to_tiles)
     m, i, e, k = KL_SHAPE
     k3 += [registry.Case(f"kimi_linear_bf16_e{e}_b{b}", _make(b, m, i, e, k, "bf16"), KL_ACT, batch=b,
                          sizes=frozenset({"k3"})) for b in (1, 8, 32)]

@@ -123,7 +123,7 @@ def test_registered_ops_export_at_k3_decode_shapes():
     assert "k3cute" not in _export(cute_ops.linear, S((1, 1, d), jnp.bfloat16), S((12288, d), jnp.bfloat16))
 
     packed = _packed_experts(e, m, inter)
-    for n, tokens in ((1, 1), (8, 8), (20, 8)):      # one token; up to 8 token columns; chunks of <= 8
+    for n, tokens in ((1, 1), (8, 8), (20, 8), (256, 8)):   # one token; up to 8 token columns; grouped
         text = _export(_experts, S((n, m), jnp.bfloat16), S((n, k), jnp.int32), S((n, k), jnp.float32), *packed)
         rows64 = (f"moe_gate_up_t{tokens}_rows64", f"moe_down_t{tokens}_rows64")
         rows16 = (f"moe_gate_up_t{tokens}", f"moe_down_t{tokens}")
@@ -291,12 +291,14 @@ def _emulated_moe_kernel(name, *args, dims=None):
     [[5, 1, 7, 2]],                                   # one token: the T = 1 kernels
     [[5, 1, 7, 2], [1, 5, 0, 3], [2, 2, 6, 5]],       # shared experts and a repeated id in one token
     [[4, 4, 4, 4]] * 3,                               # every token and slot on one expert
-    [[(3 * n + j) % 8 for j in range(4)] for n in range(11)],   # 11 tokens: chunks of <= 8
+    [[(3 * n + j) % 8 for j in range(4)] for n in range(11)],   # 11 tokens: grouped (ops.expert_groups)
+    [[4, n % 3, 5 + n % 3, 8 if n == 2 else 3] for n in range(12)],  # grouped: experts 3, 4 in 2 rows; an id E
 ])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_moe_grouping_matches_the_reference(monkeypatch, ids, tiled):
     """expert_slots + the kernels' contract (emulated) + the XLA combine give ops.moe_experts,
-    including repeated ids (combined once with their summed weight) and more than 8 tokens."""
+    including repeated ids (combined once with their summed weight) and more than 8 tokens
+    (grouped: an expert with more than 8 choices in several grid rows; also in calls of 5 tokens)."""
     from cute_bridge import ops as cute_ops
     from k3jax import mxfp4
     monkeypatch.setattr(cute_ops, "_runnable", lambda: None)
@@ -314,6 +316,10 @@ def test_moe_grouping_matches_the_reference(monkeypatch, ids, tiled):
     ref = np.asarray(ops.moe_experts(z, ids, w, experts, **kw), np.float32)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+    if n > 8:
+        monkeypatch.setattr(ops, "GROUPED_MAX_TOKENS", 5)
+        calls = cute_ops.moe_experts(z, ids, w, experts.in_tiles() if tiled else experts, **kw)
+        np.testing.assert_allclose(np.asarray(calls, np.float32), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
 def test_expert_slots_name_every_kept_slot_once():

@@ -68,7 +68,8 @@ def test_gemv_split_partials(rows, n, k, splits):
 @gpu
 @pytest.mark.parametrize("n,top_k,e,m,inter,scale_exp", [
     (1, 4, 16, 32, 32, -7), (3, 8, 32, 256, 96, -7), (1, 16, 448, 3584, 3072, -7),
-    (5, 16, 64, 3584, 3072, -7), (8, 16, 448, 3584, 3072, -7), (13, 4, 16, 256, 96, -7),   # 13: chunks of <= 8
+    (5, 16, 64, 3584, 3072, -7), (8, 16, 448, 3584, 3072, -7), (13, 4, 16, 256, 96, -7),   # 13: grouped
+    (64, 16, 448, 3584, 3072, -7),     # K3 at 64 tokens, grouped (ops.expert_groups)
     (3, 8, 32, 256, 128, -7),      # 64-row blocks with idle warps (8 scale groups: 2 chunks for 4 warps)
     (2, 4, 16, 512, 160, 0)])      # scale bytes 126..128: the top of EXACT_SCALES
 @pytest.mark.parametrize("act", ["situ", "silu"])
@@ -84,7 +85,8 @@ def test_moe_experts(n, top_k, e, m, inter, scale_exp, act, block_rows):
 
 @gpu
 @pytest.mark.parametrize("n,top_k,e,m,inter", [(1, 16, 448, 3584, 3072), (8, 16, 448, 3584, 3072),
-                                               (13, 4, 16, 256, 128), (3, 8, 32, 256, 128)])
+                                               (13, 4, 16, 256, 128), (3, 8, 32, 256, 128),
+                                               (128, 16, 448, 3584, 3072)])
 def test_moe_experts_tiled(n, top_k, e, m, inter):
     """Experts stored in tiles (mxfp4.to_tiles: the `_tiles` kernels) against the reference."""
     from cute_bridge import ops as cute_ops
@@ -117,6 +119,7 @@ def _poison_moe(n, top_k, m, inter):
 
 @gpu
 @pytest.mark.parametrize("ids", [[[4, 4, 4, 4]] * 6,                                  # every slot on one expert
+                                 [[4, 4, 4, 4]] * 12,         # grouped: one expert's 48 choices in 6 grid rows
                                  [[5, 1, 7, 2], [1, 5, 0, 3], [2, 2, 6, 5], [9, 9, 9, 1]],   # repeats in a token
                                  [[3, 3, 6, 3]]])                  # one token (the T = 1 kernels) with repeats
 @pytest.mark.parametrize("block_rows", [16, 64])
@@ -139,7 +142,7 @@ def test_moe_experts_shared_and_repeated_ids(ids, block_rows):
 
 
 @gpu
-@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("n", [1, 8, 32])
 def test_moe_experts_are_deterministic(n):
     """Every output element comes from one block summing in a fixed order: bitwise repeatable."""
     from cute_bridge import ops as cute_ops

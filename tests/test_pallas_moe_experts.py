@@ -17,7 +17,7 @@ from pallas_kernels import moe_experts as me
 SPEC = registry.spec("moe_experts")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
-CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "n69_", "fallback", "bf16_n1_", "bf16_n3_",
+CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "grouped_", "bf16_grouped_", "fallback", "bf16_n1_", "bf16_n3_",
                                                     "bf16_silu", "tiles_"))]
 
 
@@ -149,6 +149,10 @@ def test_padded_expert_slots_are_skipped_and_zero(fmt, d):
     z, _, _, experts = me._make(2, d, d, 8, 2, fmt)(jax.random.key(1))
     ids = jnp.array([[5, 2], [2, 5]], jnp.int32)
     w = jnp.array([[0.7, 0.3], [0.4, 0.6]], jnp.float32)
+    _assert_race_free_and_matches(z, ids, w, experts)
+
+
+def _assert_race_free_and_matches(z, ids, w, experts):
     act = dict(me.ACT)
     with mgpu.race_detection():
         out = jax.jit(lambda *a: me.moe_experts(*a, **act))(z, ids, w, experts)
@@ -157,11 +161,21 @@ def test_padded_expert_slots_are_skipped_and_zero(fmt, d):
     assert registry.relative_max_error(out, ref) <= registry.TOLERANCE["bfloat16"]
 
 
+def test_grouped_schedule_in_calls_with_full_slots(monkeypatch):
+    """The grouped schedule past ops.GROUPED_MAX_TOKENS (two calls of 35 rows here, one padding
+    row), slots of 8 (me.SLOT_TOKENS) with ~9 choices per expert (experts in two slots) and a
+    choice of another shard's expert (id E: no slot, no contribution); bf16 experts (cheaper in
+    interpret mode, same dispatch)."""
+    monkeypatch.setattr(ops, "GROUPED_MAX_TOKENS", 40)
+    z, ids, w, experts = me._make(69, 128, 256, 8, 2, "bf16")(jax.random.key(4))
+    _assert_race_free_and_matches(z, ids.at[5, 1].set(8), w, experts)
+
+
 def test_coverage_and_split_plan():
     z, ids, w, experts = me._make(2, 512, 512, 4, 2)(jax.random.key(0))
     assert me.covers(z, experts)
     assert "float32" in me.unsupported(z.astype(jnp.float32), experts)
-    assert me.covers(jnp.zeros((65, 512), jnp.bfloat16), experts)      # as two calls
+    assert me.covers(jnp.zeros((300, 512), jnp.bfloat16), experts)     # grouped, as two calls
     assert "no tokens" in me.unsupported(jnp.zeros((0, 512), jnp.bfloat16), experts)
     for n in (1, 8, 32, 64):
         slots = min(448, n * 16)
@@ -194,7 +208,8 @@ def _export_has_kernels(experts, n, m, k, act) -> bool:
     return "moe_gate_up_mosaic_gpu" in module and "moe_down_mosaic_gpu" in module
 
 
-@pytest.mark.parametrize("n,e,tiled", [(1, 448, False), (8, 896, False), (64, 448, False), (1, 448, True), (8, 448, True)])
+@pytest.mark.parametrize("n,e,tiled", [(1, 448, False), (8, 896, False), (64, 448, False), (1, 448, True), (8, 448, True),
+                                         (32, 448, True), (256, 448, True), (128, 896, False)])
 def test_moe_experts_cuda_export(n, e, tiled):
     """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine (experts in
     row order or in tiles)."""

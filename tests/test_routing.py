@@ -198,3 +198,33 @@ def test_expert_dispatch_one_token_keeps_its_ids():
     sorted_uniq, sorted_coef = ops.expert_dispatch(ids, weights, 8, 5)   # size > k: the general form
     np.testing.assert_array_equal(sorted_uniq, [0, 2, 5, 8, 8])
     np.testing.assert_array_equal(sorted_coef[:, 0], np.float32([0.1, 0.3, 0.4, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("n,k,e,group", [(1, 4, 16, 8), (40, 2, 8, 8), (33, 16, 448, 8), (9, 4, 4, 3), (64, 8, 16, 16)])
+def test_expert_groups_cover_every_choice_once(n, k, e, group):
+    """Every valid choice sits in exactly one column of one slot of its own expert (choices and
+    `where` agree); a choice of another shard's expert (id E) in none; an expert with c choices
+    fills ceil(c / group) slots, its choices in token order; slots run in expert order, unused
+    ones (uniq = E) at the end; the static bound is tight."""
+    rng = np.random.default_rng(n * 7 + e)
+    ids = np.stack([rng.choice(e + 1, size=k, replace=False) for _ in range(n)]).astype(np.int32)
+    uniq, choices, where = map(np.asarray, ops.expert_groups(jnp.asarray(ids), e, group))
+    size = ops.expert_groups_bound(n, k, e, group)
+    assert uniq.shape == (size,) and choices.shape == (size, group) and where.shape == (n, k)
+    counts = np.bincount(ids[ids < e], minlength=e)
+    used = int(sum(-(-c // group) for c in counts))
+    np.testing.assert_array_equal(uniq, np.concatenate([np.repeat(np.arange(e), -(-counts // group)),
+                                                        np.full(size - used, e)]))
+    flat = choices.reshape(-1)
+    for t in range(n):
+        for j in range(k):
+            if ids[t, j] >= e:
+                assert where[t, j] == size * group
+                continue
+            assert flat[where[t, j]] == t * k + j and uniq[where[t, j] // group] == ids[t, j]
+    assert (flat < n * k).sum() == (ids < e).sum()
+    for x in range(e):      # token order within an expert
+        positions = np.sort(where[ids == x])
+        assert list(flat[positions]) == sorted(flat[positions])
+    # The bound is tight: u experts chosen once each and the other choices in full slots.
+    assert size == max(u + (n * k - u) // group for u in range(1, min(e, n * k) + 1))
