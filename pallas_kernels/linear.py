@@ -45,12 +45,17 @@ def covers(x_shape, w_shape, x_dtype, w_dtype) -> bool:
             and out >= BLOCK_OUT and din % 64 == 0 and 1 <= rows <= MAX_ROWS)
 
 
+def stages_fitting(rows_padded: int, block_k: int, most: int, weight_rows: int = BLOCK_OUT) -> int:
+    """The most pipeline stages (<= most) of `accumulate_rows` whose SMEM - weight_rows weight rows
+    + rows_padded activation rows of block_k bf16 columns per stage - fits SMEM_BUDGET (0: none)."""
+    return next((st for st in range(most, 0, -1) if (weight_rows + rows_padded) * block_k * 2 * st <= SMEM_BUDGET), 0)
+
+
 def k_tiles(rows_padded: int, din: int, weight_rows: int = BLOCK_OUT) -> tuple[int, int]:
-    """(block_k, stages): the largest k tile (leaving at least two k steps) and stage count
-    whose SMEM (weight_rows weight rows + rows_padded activation rows, bf16, per stage) fits."""
-    return next(((bk, st) for bk in (256, 128, 64) for st in (4, 3, 2)
-                 if din % bk == 0 and din // bk >= 2
-                 and (weight_rows + rows_padded) * bk * 2 * st <= SMEM_BUDGET),
+    """(block_k, stages): the largest k tile (leaving at least two k steps) with 2-4 stages that fit
+    (`stages_fitting`), the most such stages."""
+    return next(((bk, st) for bk in (256, 128, 64)
+                 if din % bk == 0 and din // bk >= 2 and (st := stages_fitting(rows_padded, bk, 4, weight_rows)) >= 2),
                 (64, 1))          # in == 64: a single k step
 
 

@@ -335,7 +335,7 @@ def _expand(o_t, w_kv_b, n: int):
     h, bn, c = o_t.shape
     nv = w_kv_b.shape[0] // h
     v = nv - n
-    stages = min(3, c // BLOCK_K)
+    stages = lin.stages_fitting(bn, BLOCK_K, min(3, c // BLOCK_K))     # 256 rows: 2 (3 took 240 KB)
 
     def mla_expand(o_gmem, w_gmem, out_gmem):
         vi, hi = jax.lax.axis_index("v"), jax.lax.axis_index("h")

@@ -1,11 +1,18 @@
 """Every small case of every op's sweep lowers for CUDA with its Pallas kernels (on CPU, no GPU):
-a kernel that claims a shape (its `covers`) must compile for it, not only run in interpret mode.
+a kernel that claims a shape (its `covers`) must compile for it, not only run in interpret mode;
+and so does the whole K3 decode step of each kernel backend at the decode batches.
 (Session 23: the MLA absorption kernel's N = 16 / 32 ran interpreted but failed Mosaic GPU's
 layout inference when compiled.)"""
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+from k3jax.backend import KernelPlan
+from k3jax.cache import init_state
+from k3jax.presets import get_preset
+from k3jax.weights import abstract_model
 from pallas_kernels import mgpu, registry
 
 CASES = [(op, case) for op, spec in sorted(registry.specs().items())
@@ -18,3 +25,24 @@ def test_small_case_exports_for_cuda(op, case):
     avals = jax.eval_shape(case.make, jax.random.key(0))
     with mgpu.compile_for_gpu():
         jax.export.export(jax.jit(run), platforms=["cuda"])(*avals)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "cute"])
+@pytest.mark.parametrize("batch", [1, 8, 32, 128, 256])
+def test_decode_step_exports_for_cuda(backend, batch):
+    """The k3-h200 decode step with every kernel of the backend lowers for CUDA at the decode
+    batches the README reports (session 28: batch 256 had stopped compiling on the H200 - MLA's
+    expansion asked for 240 KB of SMEM - and no op sweep reached 256 rows)."""
+    cfg = get_preset("k3-h200")
+    model = abstract_model(cfg)
+    model.plan = KernelPlan.for_backend(backend)
+    graphdef, params = nnx.split(model)
+    state = jax.eval_shape(lambda: init_state(cfg, batch, 1088))
+
+    def step(params, tokens, state):
+        return nnx.merge(graphdef, params).forward(tokens, state)
+
+    with mgpu.compile_for_gpu():
+        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
+            params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), state)
+    assert "mosaic_gpu" in exported.mlir_module()

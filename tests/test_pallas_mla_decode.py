@@ -50,7 +50,7 @@ def test_plan_divides_the_sequence(batch, length):
     assert (length // mla.BLOCK_L) % s == 0
 
 
-@pytest.mark.parametrize("batch,length", [(1, 32768), (8, 4096), (128, 1024)])
+@pytest.mark.parametrize("batch,length", [(1, 32768), (8, 4096), (128, 1024), (256, 1024)])
 def test_mla_decode_cuda_export(batch, length):
     """Lowers the real (compiled) kernel for CUDA at K3 shapes on this CPU machine."""
     avals = jax.eval_shape(mla._make(batch, *mla.K3.values(), length), jax.random.key(0))
@@ -75,12 +75,13 @@ def test_mla_decode_k3_shapes_gpu(case):
     assert np.isfinite(r.error)
 
 
-@pytest.mark.parametrize("batch", [3, 72])
-def test_absorb_and_expand_kernels_interpret(batch):
+@pytest.mark.parametrize("batch,c", [(3, 128), (72, 128), (256, 512)])
+def test_absorb_and_expand_kernels_interpret(batch, c):
     """The absorption and expansion kernels alone against their k3jax.ops references, including
-    more than 64 batch rows (two row blocks; K3 batch 128 takes this path) and H not a multiple of
-    64. Only real rows/heads are compared: the padding heads of q_lat are never written (NaN here)."""
-    b, h, n, r, c, v = batch, 5, 32, 64, 128, 64
+    more than 64 batch rows (two row blocks; K3 batch 128 takes this path), 256 rows at K3's C
+    (the expansion's 2 stages) and H not a multiple of 64. Only real rows/heads are compared: the
+    padding heads of q_lat are never written (NaN here)."""
+    b, h, n, r, v = batch, 5, 32, 64, 64
     q_nope, q_rope, _, _, w_kv_b, _ = mla._make(b, h, n, r, c, v, 64, lens=[64] * b)(jax.random.key(1))
     rows, blocks = mla._row_blocks(b)
     pad = ((0, rows * blocks - b), (0, 0), (0, 0))
