@@ -649,5 +649,6 @@ def cost(args, kwargs) -> tuple[float, float]:
 registry.register_spec(registry.OpSpec(
     name="moe_experts", reference=ops.moe_experts, cases=cases, cost=cost,
     notes="MXFP4 or bf16 experts, bf16 z, M and I multiples of 512 (MXFP4) / 128 (bf16) in the kernel "
-          "(calls of at most 64 tokens); else the reference",
+          "(grouped by expert past 32 tokens, bf16 past 64: slots of 8; calls of at most 256 tokens); "
+          "else the reference",
 ))
