@@ -67,8 +67,9 @@ def _gemv(rows: int, kind: str) -> KernelSpec:
 # MXFP4 codes travel as int32 words (8 codes each) so a lane copies a scale group in 16 bytes; the
 # activations (z, hid) come with their columns in the decode's pair order (cute_bridge.ops.permute_x;
 # experts in tiles hold their codes in that order, so theirs come as they are). One grid row
-# per distinct expert (U); slots [U, T] names the slot each of T token columns fills (-1: none).
-MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops chunks more tokens
+# per expert (U; past 8 tokens one per 8 of its choices); slots [U, T] names the slot each of T
+# token columns fills (-1: none).
+MOE_TOKENS = (1, 8)             # token columns a MoE kernel takes; cute_bridge.ops groups more tokens
 MOE_BLOCK_ROWS = (16, 64)       # expert rows per block: one MMA row tile, or four sharing each activation read
 MOE_WIDE_MULTIPLE = 128         # M and I of the blocks past 16 rows: 64 rows, and whole 4-group scale words
 

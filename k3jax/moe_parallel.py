@@ -73,7 +73,8 @@ TOKEN_AXES = ("data", "expert")
 # 68/70/71 there), GPU time 19/20/36 us; not chosen by "auto" before a decode step confirms it.
 ALLGATHER_MAX_TOKENS = 64
 # Rows per local expert call: ops.moe_experts' decode schedule (each gathered expert on every
-# row, no sort) and the Pallas moe_experts kernel both take up to 64 rows.
+# row, no sort) takes up to 64 rows (the kernel backends group larger calls by expert since
+# session 28; one call would do for them, not yet measured under expert parallelism).
 ROW_CHUNK = ops.DENSE_DISPATCH_MAX_TOKENS
 
 

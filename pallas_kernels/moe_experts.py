@@ -77,8 +77,8 @@ split per slot (its partial [M, 8] is the slot's output) and each token sums its
 in choice order (a gather: deterministic, no scatter-add). The row schedule runs every distinct
 expert on all N tokens: at 32 tokens ~19x the needed wgmma work (~309 of 448 experts x 32 tokens
 for 32 x 16 choices), and past 64 tokens it took several calls, each reading its experts again.
-Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot copies (z k times,
-float32 partials 2k times z's bytes). Measurements: docs/pallas.md ("The grouped MoE schedule").
+Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot buffers: S x 8 rows
+(at most N*k + 7 min(E, N*k)) of z in bf16 and of partials in float32. Measurements: docs/pallas.md ("The grouped MoE schedule").
 
 Anything else (float32 experts, M or I not a multiple of the step: 512 for MXFP4, 128 for bf16;
 non-bf16 z) runs the reference; `covers()` says which, and the first fallback per reason is logged.
@@ -115,9 +115,9 @@ QUADS = MX_STEP // 128     # 128-column blocks per step: one 16-byte group per t
 TILE_CODES, TILE_SCALES = mxfp4.TILE_COLS // 2, mxfp4.TILE_COLS // mxfp4.GROUP
 MAX_TOKENS = 64
 # Tokens from which each expert runs only on its own tokens (`_moe_groups`), by is_mxfp4: MXFP4
-# past 32 (at 32 the two schedules tie: 2475 vs 2500 us, K3 E=448 in tiles, H100, session 28;
-# at 128 tokens grouped is 2.6x faster), bf16 past one call of MAX_TOKENS (at 32 tokens the row
-# schedule already runs at the copy rate: Kimi-Linear 91%).
+# past 32 (at 32 the two schedules tie, K3 E=448 in tiles, session 28: rows / grouped 2350 / 2355
+# us on the H200, 2475 / 2500 on the H100; at 128 tokens grouped is 3.4x / 2.6x faster), bf16 past
+# one call of MAX_TOKENS (at 32 tokens the row schedule already runs at the copy rate: Kimi-Linear 91%).
 GROUPED_FROM = {True: 33, False: MAX_TOKENS + 1}
 # Tokens per slot of the grouped schedule. 8 keeps the kernels at their batch-8 form (gate/up 168
 # registers, three programs per SM); slots of 16 ran slower although they read each expert about

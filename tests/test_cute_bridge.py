@@ -297,8 +297,9 @@ def _emulated_moe_kernel(name, *args, dims=None):
 @pytest.mark.parametrize("tiled", [False, True])
 def test_moe_grouping_matches_the_reference(monkeypatch, ids, tiled):
     """expert_slots + the kernels' contract (emulated) + the XLA combine give ops.moe_experts,
-    including repeated ids (combined once with their summed weight) and more than 8 tokens
-    (grouped: an expert with more than 8 choices in several grid rows; also in calls of 5 tokens)."""
+    including repeated ids (up to 8 tokens combined once with their summed weight; past 8 each
+    in its own column) and more than 8 tokens (grouped: an expert with more than 8 choices in
+    several grid rows; also in calls of 5 tokens)."""
     from cute_bridge import ops as cute_ops
     from k3jax import mxfp4
     monkeypatch.setattr(cute_ops, "_runnable", lambda: None)

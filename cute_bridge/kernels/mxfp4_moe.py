@@ -1,14 +1,15 @@
 """MXFP4 W4A16 routed experts for decode, grouped by expert, in two launches around the (XLA)
-gated activation. S = N * k slots (token n's j-th choice is slot n * k + j); the U distinct selected
-experts each get one grid row, and `slots [U, T]` names the slot of token column t (-1: token t
-did not choose expert u):
+gated activation. S = N * k slots (token n's j-th choice is slot n * k + j); each of U grid rows
+runs one expert, `experts[u]` (the distinct selected experts, or past 8 tokens the slots of
+k3jax.ops.expert_groups: an expert with more choices takes several rows), and `slots [U, T]` names
+the slot of token column t (-1: no choice there):
 
   gate_up:  gate, up [S, I] bf16 = z[token] @ dequant(w1|w3[experts[u]]).T    for each named slot
   down:     part [S, M] f32      = weights[s] * bf16(hid[s] @ dequant(w2[experts[u]]).T)
             (XLA sums each token's k partials and casts: the reference's float32 combine)
 
-Each selected expert's weights are read once per launch, whatever number of tokens chose it (up
-to T = 8, the MMA's N; `cute_bridge.ops` runs more tokens in equal chunks of at most 8). T = 1 (one token) keeps
+Each grid row reads its expert's weights once, for up to T = 8 token columns (the MMA's N; past 8
+tokens `cute_bridge.ops` gives an expert one row per 8 of its choices). T = 1 (one token) keeps
 the lean single-row staging; T = 8 stages the named columns' activation rows (an unnamed
 column's copy reads nothing and zero-fills: reading all 8 rows for every block moved 2x the
 weights' bytes and ran 12x slower, session 9). Padding grid rows (experts[u] >= E) return at
