@@ -429,9 +429,9 @@ GROUPED_MAX_TOKENS = 256   # tokens per call of the kernels' grouped schedules: 
 
 def expert_groups_bound(tokens: int, k: int, num_experts: int, group: int) -> int:
     """Static bound on expert_groups' slot count: each selected expert's choices fill
-    ceil(count / group) slots, at most (N*k + (group - 1) * min(E, N*k)) / group in all."""
+    ceil(count / group) slots, at most (N*k + (group - 1) * min(E, N*k)) / group in all (<= N*k)."""
     choices = tokens * k
-    return min(choices, (choices + (group - 1) * min(num_experts, choices)) // group)
+    return (choices + (group - 1) * min(num_experts, choices)) // group
 
 
 def expert_groups(ids: jax.Array, num_experts: int, group: int):
