@@ -434,12 +434,12 @@ def expert_groups_bound(tokens: int, k: int, num_experts: int, group: int) -> in
     return (choices + (group - 1) * min(num_experts, choices)) // group
 
 
-def expert_groups(ids: jax.Array, num_experts: int, group: int):
+def expert_groups(ids: jax.Array, num_experts: int, group: int, slot_multiple: int = 1):
     """Each selected expert's own choices, in slots of at most `group` (the kernels' grouped dispatch).
 
     ids [N, k]. Every choice n*k + j with ids[n, j] < num_experts gets one column of one slot of
     its expert; slots run in expert order, an expert's choices in token order. With
-    S = expert_groups_bound(N, k, E, group), returns
+    S = expert_groups_bound(N, k, E, group) rounded up to a multiple of `slot_multiple`, returns
       uniq [S] int32: each slot's expert, num_experts for the unused slots at the end;
       choices [S, group] int32: the choice n*k + j in each column, N*k where unused (so
         choices // k is its token, and N for an unused column);
@@ -447,7 +447,7 @@ def expert_groups(ids: jax.Array, num_experts: int, group: int):
     One stable sort of the N*k ids; every write lands on its own position (deterministic).
     """
     n, k = ids.shape
-    size = expert_groups_bound(n, k, num_experts, group)
+    size = -(-expert_groups_bound(n, k, num_experts, group) // slot_multiple) * slot_multiple
     flat = jnp.minimum(ids.reshape(-1).astype(jnp.int32), num_experts)       # >= E: no expert here
     order = jnp.argsort(flat, stable=True)
     count = jnp.bincount(flat, length=num_experts + 1)

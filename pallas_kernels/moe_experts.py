@@ -72,9 +72,9 @@ Past 32 tokens (MXFP4; bf16 past MAX_TOKENS = 64: GROUPED_FROM) the same kernels
 grouped schedule (`_moe_groups`): each selected expert only on its own tokens. ops.expert_groups
 gives every choice (token, j) a column of a slot of at most SLOT_TOKENS = 8 tokens of its expert
 (an expert with more tokens takes several slots, side by side); z is gathered per slot [S, 8, M],
-the gate/up kernel reads each slot's own activations and coefficients, the down kernel runs one
-split per slot (its partial [M, 8] is the slot's output) and each token sums its k partial rows
-in choice order (a gather: deterministic, no scatter-add). The row schedule runs every distinct
+the gate/up kernel reads each slot's own activations and coefficients, the down kernel stores
+each slot's own partial [M, 8] (a program takes DOWN_SLOTS_PER_PROGRAM = 8 slots, strided) and
+each token sums its k partial rows in choice order (a gather: deterministic, no scatter-add). The row schedule runs every distinct
 expert on all N tokens: at 32 tokens ~19x the needed wgmma work (~309 of 448 experts x 32 tokens
 for 32 x 16 choices), and past 64 tokens it took several calls, each reading its experts again.
 Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot buffers: S x 8 rows
@@ -124,6 +124,12 @@ GROUPED_FROM = {True: 33, False: MAX_TOKENS + 1}
 # once (H100, session 28: 4586 vs 3703 us at 128 tokens, 4874 vs 4586 at 256, where slots of 8
 # read ~1.6 slots per expert), probably as their larger accumulators cost the third program.
 SLOT_TOKENS = 8
+# Slots per program of the grouped schedule's down kernel (strided, `_down`): one slot's 64 rows
+# of w2 are a short stream, and eight in a row amortise the pipeline's fill (H100, session 29, K3
+# E=448 MXFP4: op 3111 vs 3276 us at 64 tokens, 3550 vs 3697 at 128, 4473 vs 4522 at 256; eight
+# consecutive slots per program: 3073, 3514, but 4812 at 256, where an expert's two slots then
+# run apart and read its weights twice).
+DOWN_SLOTS_PER_PROGRAM = 8
 assert max(GROUPED_FROM.values()) <= MAX_TOKENS + 1     # the row schedule takes at most MAX_TOKENS
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
 # SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
@@ -462,13 +468,16 @@ def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int, we
     return best[1]
 
 
-def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
-    """float32 partials [S, M, Np] of sum_u w2_u @ h_u over each split's expert slots.
+def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bool = False):
+    """float32 partials of w2_u @ h_u, a program per 64 output rows and U/programs slots u:
+    [programs, M, Np], each the sum over its program's consecutive slots; or, per_slot, [U, M, Np],
+    each valid slot's own (a program's slots strided by `programs`: one expert's slots, adjacent,
+    run side by side and share its weight reads in L2; unused slots' rows are left unwritten).
     ht: h [U, Np, I] in `_x_layout` (per slot); down: `_operands` of w2; steps: I / step columns."""
     u_n = uniq.shape[0]
     tiled = down[0].ndim == 5
     n_exp, m = down[0].shape[0], down[0].shape[1] * (BLOCK if tiled else 1)
-    per = u_n // splits
+    per = u_n // programs
     mx = len(down) == 2
     stages = _stages(n_pad, 1, mx)
     staged = mx and mgpu.interpret_params() is not None
@@ -478,31 +487,50 @@ def _down(ht, uniq, down, splits: int, *, n_pad: int, steps: int):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         rows = pl.ds(oi * BLOCK, BLOCK)
 
-        def accumulate(acc, stage_s):
+        def add_slot(acc, stage_s, u, eid):
+            """acc += w2_eid's rows @ h_u, streamed."""
+            def step(idx, *smem):
+                *w_s, x_s = smem
+                _mma(acc, idx[0], w_s, x_s, stage_s)
+                plgpu.wgmma_wait(0)
+            plgpu.emit_pipeline(
+                step, grid=(steps,),
+                in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
+            )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])
+
+        def accumulated(body):
+            """body(acc, stage_s) in a fresh float32 accumulator -> its value."""
+            return pl.run_scoped(lambda a: _staging(functools.partial(body, a), staged), plgpu.ACC((BLOCK, n_pad)))
+
+        if per_slot:
+            @pl.loop(0, per)
+            def _slot(j):
+                u = si + j * programs
+                eid = uniq_g[u]
+
+                @pl.when(eid < n_exp)      # unused slots read no weights and write nothing
+                def _():
+                    def one(acc, stage_s):
+                        add_slot(acc, stage_s, u, eid)
+                        return acc[...]
+                    mgpu.store_tile(accumulated(one), o_g.at[u, rows])
+            return
+
+        def summed(acc, stage_s):
             @pl.loop(si * per, (si + 1) * per)
-            def _expert(u):
+            def _slot(u):
                 eid = uniq_g[u]
 
                 @pl.when(eid < n_exp)      # padded slots read no weights
                 def _():
-                    def step(idx, *smem):
-                        *w_s, x_s = smem
-                        _mma(acc, idx[0], w_s, x_s, stage_s)
-                        plgpu.wgmma_wait(0)
-                    plgpu.emit_pipeline(
-                        step, grid=(steps,),
-                        in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
-                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])
+                    add_slot(acc, stage_s, u, eid)
             return acc[...]
 
-        acc = pl.run_scoped(lambda a: _staging(functools.partial(accumulate, a), staged),
-                            plgpu.ACC((BLOCK, n_pad)))
-
-        mgpu.store_tile(acc, o_g.at[si, rows])
+        mgpu.store_tile(accumulated(summed), o_g.at[si, rows])
 
     return plgpu.kernel(
-        moe_down, out_type=jax.ShapeDtypeStruct((splits, m, n_pad), jnp.float32),
-        grid=(m // BLOCK, splits), grid_names=("o", "s"),
+        moe_down, out_type=jax.ShapeDtypeStruct((u_n if per_slot else programs, m, n_pad), jnp.float32),
+        grid=(m // BLOCK, programs), grid_names=("o", "s"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
     )(ht, uniq, *down)
 
@@ -529,20 +557,21 @@ def _moe_groups(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: 
                 linear_beta: float | None) -> jax.Array:
     """The grouped schedule over at most ops.GROUPED_MAX_TOKENS tokens: each slot (ops.expert_groups)
     runs its expert on its own <= SLOT_TOKENS tokens only: the same two kernels, the activations
-    and coefficients per slot, one down split per slot (its partial [M, G] is the slot's output);
+    and coefficients per slot, the down kernel storing each slot's partial [M, G] (`per_slot`);
     each token then sums its k partial rows in choice order (a gather: deterministic).
     z [N, M] -> [N, M] in z's dtype."""
     n_exp, inter = experts.w1.shape[:2]
     m, g = z.shape[1], SLOT_TOKENS
     step = _step(experts.is_mxfp4)
     gate, up, down = _operands(experts)
-    uniq, choices, where = ops.expert_groups(ids, n_exp, g)
+    uniq, choices, where = ops.expert_groups(ids, n_exp, g, DOWN_SLOTS_PER_PROGRAM)
     slots = uniq.shape[0]
     zs = jnp.pad(z, ((0, 1), (0, 0)))[choices // ids.shape[1]]           # [S, G, M]; unused columns 0
     coef = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, 1))[choices]
     h = _gate_up(_x_layout(zs, experts), uniq, coef, gate, up, steps=m // step, act=act, beta=beta,
                  linear_beta=linear_beta, per_slot=True)
-    part = _down(_x_layout(jnp.swapaxes(h, 1, 2), experts), uniq, down, slots, n_pad=g, steps=inter // step)
+    part = _down(_x_layout(jnp.swapaxes(h, 1, 2), experts), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM,
+                 n_pad=g, steps=inter // step, per_slot=True)
     rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
     return rows[where].sum(1).astype(z.dtype)
 
@@ -624,7 +653,7 @@ def cases() -> list[registry.Case]:
     k3 = [registry.Case(f"k3_e{e}_b{b}", _make(b, K3_M, K3_I, e, K3_K), ACT, batch=b, sizes=frozenset({"k3"}))
           for e in (448, 896) for b in BENCH_BATCHES]
     k3 += [registry.Case(f"k3_e448_tiles_b{b}", _make(b, K3_M, K3_I, 448, K3_K, "mxfp4-tiles"), ACT, batch=b,
-                         sizes=frozenset({"k3"})) for b in (1, 8, 32, 128)]   # experts in tiles (mxfp4.to_tiles)
+                         sizes=frozenset({"k3"})) for b in (1, 8, 32, 128, 256)]   # experts in tiles (mxfp4.to_tiles)
     m, i, e, k = KL_SHAPE
     k3 += [registry.Case(f"kimi_linear_bf16_e{e}_b{b}", _make(b, m, i, e, k, "bf16"), KL_ACT, batch=b,
                          sizes=frozenset({"k3"})) for b in (1, 8, 32)]

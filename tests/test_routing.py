@@ -200,16 +200,19 @@ def test_expert_dispatch_one_token_keeps_its_ids():
     np.testing.assert_array_equal(sorted_coef[:, 0], np.float32([0.1, 0.3, 0.4, 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("n,k,e,group", [(1, 4, 16, 8), (40, 2, 8, 8), (33, 16, 448, 8), (9, 4, 4, 3), (64, 8, 16, 16)])
-def test_expert_groups_cover_every_choice_once(n, k, e, group):
+@pytest.mark.parametrize("n,k,e,group,multiple", [(1, 4, 16, 8, 1), (40, 2, 8, 8, 1), (33, 16, 448, 8, 1),
+                                                  (9, 4, 4, 3, 1), (64, 8, 16, 16, 1), (33, 16, 448, 8, 8),
+                                                  (9, 4, 4, 3, 5)])
+def test_expert_groups_cover_every_choice_once(n, k, e, group, multiple):
     """Every valid choice sits in exactly one column of one slot of its own expert (choices and
     `where` agree); a choice of another shard's expert (id E) in none; an expert with c choices
     fills ceil(c / group) slots, its choices in token order; slots run in expert order, unused
-    ones (uniq = E) at the end; the static bound is tight."""
+    ones (uniq = E) at the end; the static bound is tight (then rounded up to `multiple`)."""
     rng = np.random.default_rng(n * 7 + e)
     ids = np.stack([rng.choice(e + 1, size=k, replace=False) for _ in range(n)]).astype(np.int32)
-    uniq, choices, where = map(np.asarray, ops.expert_groups(jnp.asarray(ids), e, group))
-    size = ops.expert_groups_bound(n, k, e, group)
+    uniq, choices, where = map(np.asarray, ops.expert_groups(jnp.asarray(ids), e, group, multiple))
+    bound = ops.expert_groups_bound(n, k, e, group)
+    size = -(-bound // multiple) * multiple
     assert uniq.shape == (size,) and choices.shape == (size, group) and where.shape == (n, k)
     counts = np.bincount(ids[ids < e], minlength=e)
     used = int(sum(-(-c // group) for c in counts))
@@ -227,4 +230,4 @@ def test_expert_groups_cover_every_choice_once(n, k, e, group):
         positions = np.sort(where[ids == x])
         assert list(flat[positions]) == sorted(flat[positions])
     # The bound is tight: u experts chosen once each and the other choices in full slots.
-    assert size == max(u + (n * k - u) // group for u in range(1, min(e, n * k) + 1))
+    assert bound == max(u + (n * k - u) // group for u in range(1, min(e, n * k) + 1))
