@@ -78,7 +78,8 @@ each token sums its k partial rows in choice order (a gather: deterministic, no 
 expert on all N tokens: at 32 tokens ~19x the needed wgmma work (~309 of 448 experts x 32 tokens
 for 32 x 16 choices), and past 64 tokens it took several calls, each reading its experts again.
 Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot buffers: S x 8 rows
-(at most N*k + 7 min(E, N*k)) of z in bf16 and of partials in float32. Measurements: docs/pallas.md ("The grouped MoE schedule").
+(ops.expert_groups_bound slots, at most (N*k + 7 min(E, N*k)) / 8, rounded up to a multiple of
+DOWN_SLOTS_PER_PROGRAM) of z in bf16 and of partials in float32. Measurements: docs/pallas.md ("The grouped MoE schedule").
 
 Anything else (float32 experts, M or I not a multiple of the step: 512 for MXFP4, 128 for bf16;
 non-bf16 z) runs the reference; `covers()` says which, and the first fallback per reason is logged.
@@ -125,7 +126,7 @@ GROUPED_FROM = {True: 33, False: MAX_TOKENS + 1}
 # read ~1.6 slots per expert), probably as their larger accumulators cost the third program.
 SLOT_TOKENS = 8
 # Slots per program of the grouped schedule's down kernel (strided, `_down`): one slot's 64 rows
-# of w2 are a short stream, and eight in a row amortise the pipeline's fill (H100, session 29, K3
+# of w2 are a short stream, and eight per program amortise the pipeline's fill (H100, session 29, K3
 # E=448 MXFP4: op 3111 vs 3276 us at 64 tokens, 3550 vs 3697 at 128, 4473 vs 4522 at 256; eight
 # consecutive slots per program: 3073, 3514, but 4812 at 256, where an expert's two slots then
 # run apart and read its weights twice).
