@@ -13,7 +13,8 @@ exactly once per call, padded expert slots read nothing:
     `emit_pipeline`, 512 input columns = 256 packed bytes + 16 scale bytes per row per step),
     dequantises them in registers and multiplies them by wgmma (swap-AB: weights on the M side,
     tokens padded to 8 on N). The epilogue applies ops.glu (the same jnp formula, on registers,
-    float32) and the token's routing coefficient, and writes h [U, I, Np] bf16.
+    float32) and the token's routing coefficient, and writes h [U, Np, I] bf16 (token-major:
+    its [64, Np] tile stored through a transposed SMEM view).
   * down: grid (M/64, S). A program owns 64 output features and U/S experts; for each valid
     expert it streams w2 the same way against h and accumulates sum_u coef * h_u @ w2_u.T in one
     float32 wgmma accumulator, so the combine is fused. S splits the experts so the grid fills
@@ -79,7 +80,10 @@ expert on all N tokens: at 32 tokens ~19x the needed wgmma work (~309 of 448 exp
 for 32 x 16 choices), and past 64 tokens it took several calls, each reading its experts again.
 Calls of at most ops.GROUPED_MAX_TOKENS = 256 tokens bound the per-slot buffers: S x 8 rows
 (ops.expert_groups_bound slots, at most (N*k + 7 min(E, N*k)) / 8, rounded up to a multiple of
-DOWN_SLOTS_PER_PROGRAM) of z in bf16 and of partials in float32. Measurements: docs/pallas.md ("The grouped MoE schedule").
+DOWN_SLOTS_PER_PROGRAM) of z in bf16 and of partials in float32. From 17 to 32 tokens (MXFP4:
+GROUPED_DOWN_FROM) the schedule is mixed: the row schedule's gate/up (one z shared by every
+program), then each choice's h row gathered into its slot and the grouped down. Measurements:
+docs/pallas.md ("The grouped MoE schedule").
 
 Anything else (float32 experts, M or I not a multiple of the step: 512 for MXFP4, 128 for bf16;
 non-bf16 z) runs the reference; `covers()` says which, and the first fallback per reason is logged.
@@ -120,6 +124,14 @@ MAX_TOKENS = 64
 # us on the H200, 2475 / 2500 on the H100; at 128 tokens grouped is 3.4x / 2.6x faster), bf16 past
 # one call of MAX_TOKENS (at 32 tokens the row schedule already runs at the copy rate: Kimi-Linear 91%).
 GROUPED_FROM = {True: 33, False: MAX_TOKENS + 1}
+# Tokens from which the row schedule's down kernel runs grouped, by is_mxfp4 (`_moe_rows`: every
+# distinct expert's gate/up on all tokens, then each choice's h column gathered into its slot and
+# each slot's down on its own tokens: the "mixed" schedule). Up to 32 tokens the row gate/up is the
+# faster (its programs share one z; the grouped one reads a per-slot copy), from 17 the grouped
+# down (N = 8 per slot, not N = Np per expert). H100, session 30, K3 E=448 tiles, op us rows /
+# mixed / grouped: 16 tokens 1354 / 1431 / 1520, 20 1748 / 1708 / 1818, 24 1929 / 1899 / 2025,
+# 28 2373 / 2148 / 2245, 32 2458 / 2320 / 2424, 40 3062 / 2876 / 2681.
+GROUPED_DOWN_FROM = {True: 17, False: MAX_TOKENS + 1}
 # Tokens per slot of the grouped schedule. 8 keeps the kernels at their batch-8 form (gate/up 168
 # registers, three programs per SM); slots of 16 ran slower although they read each expert about
 # once (H100, session 28: 4586 vs 3703 us at 128 tokens, 4874 vs 4586 at 256, where slots of 8
@@ -397,9 +409,12 @@ def _staging(body, staged: bool):
 
 
 def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slot: bool = False):
-    """h [U, I, Np] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
-    zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens [U, Np, M] in `_x_layout`;
-    gate, up: `_operands` of w1, w3; steps: M / step columns."""
+    """h [U, Np, I] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
+    Token-major: each program stores its [64, Np] tile transposed, so the down kernel's layout is
+    a permutation within rows of I and the mixed schedule gathers whole rows (H100, session 30,
+    against [U, I, Np]: 16 tokens op 1354 vs 1443 us, gate/up 852 vs 942; 1 and 8 tokens equal;
+    128 grouped +0.5%). zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens
+    [U, Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
     u_n, n_pad = coef.shape
     tiled = gate[0].ndim == 5
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
@@ -414,6 +429,7 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slo
         rows = pl.ds(oi * BLOCK, BLOCK)
 
         def scoped(o_s):
+            o_t = o_s.transpose((1, 0))     # [64, Np]: the accumulator's orientation
             @pl.when(eid < n_exp)
             def _compute():
                 def accumulate(acc_g, acc_u, stage_s):
@@ -433,20 +449,20 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slo
                 # The reference's formula on registers: bf16 projections, float32 activation.
                 h = ops.glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), act, beta, linear_beta)
                 cf = plgpu.load(coef_g.at[ui], layout=COL, optimized=False)
-                o_s[...] = (h.astype(jnp.float32) * jax.lax.broadcast_in_dim(cf, h.shape, (1,))).astype(jnp.bfloat16)
+                o_t[...] = (h.astype(jnp.float32) * jax.lax.broadcast_in_dim(cf, h.shape, (1,))).astype(jnp.bfloat16)
 
             @pl.when(eid >= n_exp)
             def _padding():
-                o_s[...] = plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.bfloat16), WGMMA)
+                o_t[...] = plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.bfloat16), WGMMA)
 
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, h_g.at[ui, rows])
+            plgpu.copy_smem_to_gmem(o_s, h_g.at[ui, :, rows])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.run_scoped(scoped, plgpu.SMEM((BLOCK, n_pad), jnp.bfloat16))
+        pl.run_scoped(scoped, plgpu.SMEM((n_pad, BLOCK), jnp.bfloat16))
 
     return plgpu.kernel(
-        moe_gate_up, out_type=jax.ShapeDtypeStruct((u_n, inter, n_pad), jnp.bfloat16),
+        moe_gate_up, out_type=jax.ShapeDtypeStruct((u_n, n_pad, inter), jnp.bfloat16),
         grid=(inter // BLOCK, u_n), grid_names=("o", "u"),
         compiler_params=_lane_params(), interpret=mgpu.interpret_params(),
     )(zt, uniq, coef, *gate, *up)
@@ -539,10 +555,10 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
 def moe_experts(z: jax.Array, ids: jax.Array, weights: jax.Array, experts: ops.ExpertWeights, *,
                 act: str, beta: float, linear_beta: float | None, expert_chunk: int = 64) -> jax.Array:
     """Same contract as k3jax.ops.moe_experts: z [N, M], ids/weights [N, k] -> [N, M] in z's dtype.
-    Below GROUPED_FROM tokens the distinct experts run on every token (`_moe_rows`); from there
-    each expert on its own tokens (`_moe_groups`), in equal calls of at most ops.GROUPED_MAX_TOKENS
-    rows (ops.map_token_chunks), each reading its selected experts once (an expert with more
-    tokens than a slot holds: once per slot)."""
+    Below GROUPED_FROM tokens the distinct experts run on every token (`_moe_rows`; its down half
+    grouped from GROUPED_DOWN_FROM); from there each expert on its own tokens (`_moe_groups`), in
+    equal calls of at most ops.GROUPED_MAX_TOKENS rows (ops.map_token_chunks), each reading its
+    selected experts once (an expert with more tokens than a slot holds: once per slot)."""
     why = unsupported(z, experts)
     if why is not None:
         return registry.fallback("moe_experts", "pallas", why)(z, ids, weights, experts, act=act, beta=beta,
@@ -558,28 +574,37 @@ def _moe_groups(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: 
                 linear_beta: float | None) -> jax.Array:
     """The grouped schedule over at most ops.GROUPED_MAX_TOKENS tokens: each slot (ops.expert_groups)
     runs its expert on its own <= SLOT_TOKENS tokens only: the same two kernels, the activations
-    and coefficients per slot, the down kernel storing each slot's partial [M, G] (`per_slot`);
-    each token then sums its k partial rows in choice order (a gather: deterministic).
-    z [N, M] -> [N, M] in z's dtype."""
-    n_exp, inter = experts.w1.shape[:2]
-    m, g = z.shape[1], SLOT_TOKENS
-    step = _step(experts.is_mxfp4)
-    gate, up, down = _operands(experts)
-    uniq, choices, where = ops.expert_groups(ids, n_exp, g, DOWN_SLOTS_PER_PROGRAM)
-    slots = uniq.shape[0]
+    and coefficients per slot (`_grouped_down` from there). z [N, M] -> [N, M] in z's dtype."""
+    n_exp = experts.w1.shape[0]
+    gate, up, _ = _operands(experts)
+    uniq, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
     zs = jnp.pad(z, ((0, 1), (0, 0)))[choices // ids.shape[1]]           # [S, G, M]; unused columns 0
     coef = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, 1))[choices]
-    h = _gate_up(_x_layout(zs, experts), uniq, coef, gate, up, steps=m // step, act=act, beta=beta,
-                 linear_beta=linear_beta, per_slot=True)
-    part = _down(_x_layout(jnp.swapaxes(h, 1, 2), experts), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM,
-                 n_pad=g, steps=inter // step, per_slot=True)
+    h = _gate_up(_x_layout(zs, experts), uniq, coef, gate, up, steps=z.shape[1] // _step(experts.is_mxfp4),
+                 act=act, beta=beta, linear_beta=linear_beta, per_slot=True)
+    return _grouped_down(h, uniq, where, experts).astype(z.dtype)
+
+
+def _grouped_down(hs: jax.Array, uniq: jax.Array, where: jax.Array, experts: ops.ExpertWeights) -> jax.Array:
+    """The grouped schedule's down half: hs [S, G, I] bf16 (each slot's coefficient-weighted h on
+    its own tokens), uniq [S] and where [N, k] from ops.expert_groups -> [N, M] float32. The down
+    kernel stores each slot's partial [M, G]; each token sums its k partial rows in choice order
+    (a gather: deterministic)."""
+    slots, g, inter = hs.shape
+    _, _, down = _operands(experts)
+    m = down[0].shape[1] * (BLOCK if experts.tiled else 1)
+    part = _down(_x_layout(hs, experts), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
+                 steps=inter // _step(experts.is_mxfp4), per_slot=True)
     rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
-    return rows[where].sum(1).astype(z.dtype)
+    return rows[where].sum(1)
 
 
 def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: float,
               linear_beta: float | None) -> jax.Array:
-    """The row schedule, one kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's dtype."""
+    """The row schedule, one kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's
+    dtype. From GROUPED_DOWN_FROM tokens the down half runs grouped: each choice's h row, taken
+    from its expert's, fills its slot's column (ops.expert_groups; a token's repeated id, which top-k
+    never gives, keeps its summed coefficient in the first of its choices and zero in the others)."""
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
@@ -591,7 +616,15 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
     zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)
     h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
-    ht = _x_layout(jnp.swapaxes(h, 1, 2), experts)                        # per slot, as z
+    if n >= GROUPED_DOWN_FROM[mx]:
+        suniq, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
+        row = jnp.searchsorted(uniq, suniq)                                 # each slot's expert's row of h
+        repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & jnp.tri(k, k, -1, bool), axis=2)   # [N, k]
+        skip = jnp.pad(repeat.reshape(-1), (0, 1), constant_values=True)[choices]    # repeats, unused columns
+        token = jnp.where(skip, n_pad, choices // k)                      # n_pad: past h, read as zeros
+        hs = h.at[row[:, None], token].get(mode="fill", fill_value=0)      # [S, G, I]
+        return _grouped_down(hs, suniq, where, experts).astype(z.dtype)
+    ht = _x_layout(h, experts)                                            # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
     part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
     return part.sum(0).T[:n].astype(z.dtype)
@@ -640,6 +673,8 @@ def cases() -> list[registry.Case]:
     # The grouped schedule (from GROUPED_FROM tokens): ~17 tokens per expert, each in 2-3 slots;
     # bf16 past one row-schedule call.
     small.append(registry.Case("grouped_n69", _make(69, 512, 512, 8, 2), ACT, batch=69))
+    # Row gate/up, grouped down (from GROUPED_DOWN_FROM tokens), experts in tiles.
+    small.append(registry.Case("mixed_n20", _make(20, 512, 1024, 8, 2, "mxfp4-tiles"), ACT, batch=20))
     small.append(registry.Case("bf16_grouped_n70", _make(70, 128, 256, 8, 2, "bf16"), ACT, batch=70))
     small.append(registry.Case("silu_n1", _make(1, 512, 512, 4, 1), (("act", "silu"), ("beta", 1.0),
                                                                       ("linear_beta", None)), batch=1))

@@ -18,7 +18,7 @@ SPEC = registry.spec("moe_experts")
 SMALL = SPEC.sweep("small")
 K3 = SPEC.sweep("k3")
 CPU_CASES = [c for c in SMALL if c.name.startswith(("n1_", "n2_", "grouped_", "bf16_grouped_", "fallback", "bf16_n1_", "bf16_n3_",
-                                                    "bf16_silu", "tiles_"))]
+                                                    "bf16_silu", "tiles_", "mixed_"))]
 
 
 def _fma_bf16x2(x, s):
@@ -169,6 +169,15 @@ def test_grouped_schedule_in_calls_with_full_slots(monkeypatch):
     monkeypatch.setattr(ops, "GROUPED_MAX_TOKENS", 40)
     z, ids, w, experts = me._make(69, 128, 256, 8, 2, "bf16")(jax.random.key(4))
     _assert_race_free_and_matches(z, ids.at[5, 1].set(8), w, experts)
+
+
+def test_mixed_schedule_repeated_and_foreign_ids():
+    """The row schedule with its down kernel grouped (GROUPED_DOWN_FROM): a token naming one expert
+    twice (its summed coefficient counted once) and an id of another shard's expert (id E)."""
+    n = me.GROUPED_DOWN_FROM[True]
+    assert n < me.GROUPED_FROM[True]
+    z, ids, w, experts = me._make(n, 512, 512, 8, 3)(jax.random.key(3))
+    _assert_race_free_and_matches(z, ids.at[3, 2].set(ids[3, 0]).at[5, 1].set(8), w, experts)
 
 
 def test_coverage_and_split_plan():
