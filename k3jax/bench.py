@@ -599,7 +599,8 @@ def load_results(paths: list[str], log=print) -> tuple[dict, list[dict]]:
             mine = ops_rows.setdefault(meta.get("device"), {"meta": meta, "rows": []})
             if meta.get("date", "") >= mine["meta"].get("date", ""):
                 mine["meta"] = meta
-            mine["rows"] += [{"date": meta.get("date", ""), **r} for r in data["rows"]]
+            mine["rows"] += [{"date": meta.get("date", ""), "run_copy_bandwidth": meta.get("copy_bandwidth"), **r}
+                             for r in data["rows"]]
         elif isinstance(data, dict) and {"preset", "backend", "rows"} <= set(data):
             devices.append(data.get("device"))
             model_rows += _from_decode_sweep(data, os.path.splitext(os.path.basename(path))[0])
@@ -713,9 +714,11 @@ def report_markdown(paths: list[str], plot_prefix: str | None, link_dir: str | N
             parts += [f"![{os.path.basename(png)}]({rel})", ""]
     for res in ops_results:
         m = res["meta"]
+        rates = sorted({r.get("run_copy_bandwidth") or m.get("copy_bandwidth") or 0 for r in res["rows"]})
+        rate = (f"copy bandwidth {rates[0] / 1e12:.2f} TB/s" if len(rates) == 1 else
+                f"copy bandwidth {rates[0] / 1e12:.2f}-{rates[-1] / 1e12:.2f} TB/s: each row's % against its own run's")
         parts += [f"### Per-op kernels ({m.get('device')}; newest measurement of each case, latest run "
-                  f"{m.get('date')}, copy bandwidth {(m.get('copy_bandwidth') or 0) / 1e12:.2f} TB/s)", "",
-                  summary_table(res), ""]
+                  f"{m.get('date')}, {rate})", "", summary_table(res), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 

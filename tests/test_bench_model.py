@@ -40,12 +40,12 @@ def test_model_sweep_and_report(tmp_path):
     legacy.write_text(json.dumps({"preset": "k3-tiny", "backend": "pallas", "device": "cpu", "rows": [
         {"batch": 2, "step_ms": 4.0, "tokens_per_s": 500.0, "bytes_per_step": 1e6, "roofline_fraction": 0.1}]}))
     ops = tmp_path / "ops.json"
-    ops.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "d", "copy_bandwidth": 1e9},
+    ops.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "d", "copy_bandwidth": 1e12},
                                "rows": [{"op": "linear", "case": "c", "batch": 1, "backend": b, "bytes": 1e6,
                                          "device_s": t, "tb_per_s": 1e-6 / t, "frac_copy_bw": 0.5}
                                         for b, t in (("xla", 2e-6), ("pallas", 1e-6), ("torch", 0.5e-6))]}))
     newer = tmp_path / "ops_newer.json"   # a later run of the same device and case: its xla row wins
-    newer.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "e", "copy_bandwidth": 1e9},
+    newer.write_text(json.dumps({"meta": {"kind": "ops", "device": "cpu", "date": "e", "copy_bandwidth": 2e12},
                                  "rows": [{"op": "linear", "case": "c", "batch": 1, "backend": "xla", "bytes": 1e6,
                                            "device_s": 4e-6, "tb_per_s": 0.25, "frac_copy_bw": 0.25}]}))
     doc = tmp_path / "doc.md"
@@ -57,6 +57,7 @@ def test_model_sweep_and_report(tmp_path):
     assert text.count("| k3-tiny | cpu | ") == 1            # the same point given twice: one row
     # one ops table per device; speedup = the best k3jax kernel (not torch) vs the newest xla row
     assert text.count("### Per-op kernels") == 1 and "torch us" in text and "4.00x" in text
+    assert "copy bandwidth 1.00-2.00 TB/s: each row's % against its own run's" in text
     assert "![r-k3-tiny.png](img/r-k3-tiny.png)" in text
     assert bench.main(["--report", str(tmp_path / "missing.json")]) == 2
     # Files none of which is a bench result (e.g. a profile) must not empty the block.
