@@ -144,6 +144,7 @@ SLOT_TOKENS = 8
 # run apart and read its weights twice).
 DOWN_SLOTS_PER_PROGRAM = 8
 assert max(GROUPED_FROM.values()) <= MAX_TOKENS + 1     # the row schedule takes at most MAX_TOKENS
+assert min(GROUPED_DOWN_FROM.values()) > 1              # _moe_rows' gather needs expert_dispatch's sorted uniq
 SMEM_PER_SM = 225 * 1024   # the H200's 228 KB per SM, less 1 KB reserved per resident block
 # SMEM budgets per program, most wanted first, each with the stage counts to try. The MXFP4
 # kernels are decode-latency bound: a third resident program (the register limit: 136 registers x
@@ -617,13 +618,13 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)
     h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
     if n >= GROUPED_DOWN_FROM[mx]:
-        suniq, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
-        row = jnp.searchsorted(uniq, suniq)                                 # each slot's expert's row of h
+        slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
+        row = jnp.searchsorted(uniq, slot_expert)        # each slot's expert's row of h (uniq sorted: n > 1)
         repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & jnp.tri(k, k, -1, bool), axis=2)   # [N, k]
         skip = jnp.pad(repeat.reshape(-1), (0, 1), constant_values=True)[choices]    # repeats, unused columns
         token = jnp.where(skip, n_pad, choices // k)                      # n_pad: past h, read as zeros
         hs = h.at[row[:, None], token].get(mode="fill", fill_value=0)      # [S, G, I]
-        return _grouped_down(hs, suniq, where, experts).astype(z.dtype)
+        return _grouped_down(hs, slot_expert, where, experts).astype(z.dtype)
     ht = _x_layout(h, experts)                                            # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
     part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
