@@ -147,8 +147,7 @@ def expert_slots(ids: jax.Array, weights: jax.Array, num_experts: int, tokens: i
         experts, _ = ops.expert_dispatch(ids, weights, num_experts, k)      # one token: its ids as they are
         return experts, slots, kept, weights.astype(jnp.float32)
     same = ids[:, :, None] == ids[:, None, :]                                 # [N, j, j']
-    later = jnp.triu(jnp.ones((k, k), bool), 1)
-    kept = (ids < num_experts) & ~jnp.any(same & later, axis=2)
+    kept = (ids < num_experts) & ~ops.repeated_later(ids)
     coef = jnp.where(kept, jnp.sum(jnp.where(same, weights[:, None, :], 0.0), axis=2), 0.0).astype(jnp.float32)
     slot = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
     experts, _ = ops.expert_dispatch(ids, weights, num_experts, min(num_experts, n * k))

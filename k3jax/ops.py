@@ -424,6 +424,14 @@ def expert_dispatch(ids: jax.Array, weights: jax.Array, num_experts: int, size: 
     return uniq, coef
 
 
+def repeated_later(ids: jax.Array) -> jax.Array:
+    """ids [N, k] -> [N, k] bool: True where a later choice of the same token names the same id
+    (the kernels' dispatch lets a token's last choice of an id stand for all of them, with their
+    summed weight; top-k never repeats an id)."""
+    k = ids.shape[1]
+    return jnp.any((ids[:, :, None] == ids[:, None, :]) & jnp.triu(jnp.ones((k, k), bool), 1), axis=2)
+
+
 GROUPED_MAX_TOKENS = 256   # tokens per call of the kernels' grouped schedules: bounds their per-choice buffers
 
 

@@ -605,7 +605,8 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     """The row schedule, one kernel pair over at most MAX_TOKENS tokens: z [N, M] -> [N, M] in z's
     dtype. From GROUPED_DOWN_FROM tokens the down half runs grouped: each choice's h row, taken
     from its expert's, fills its slot's column (ops.expert_groups; a token's repeated id, which top-k
-    never gives, keeps its summed coefficient in the first of its choices and zero in the others)."""
+    never gives, keeps its summed coefficient in the last of its choices and zero in the others:
+    ops.repeated_later)."""
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
@@ -620,8 +621,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     if n >= GROUPED_DOWN_FROM[mx]:
         slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
         row = jnp.searchsorted(uniq, slot_expert)        # each slot's expert's row of h (uniq sorted: n > 1)
-        repeat = jnp.any((ids[:, :, None] == ids[:, None, :]) & jnp.tri(k, k, -1, bool), axis=2)   # [N, k]
-        skip = jnp.pad(repeat.reshape(-1), (0, 1), constant_values=True)[choices]    # repeats, unused columns
+        skip = jnp.pad(ops.repeated_later(ids).reshape(-1), (0, 1), constant_values=True)[choices]  # repeats, unused
         token = jnp.where(skip, n_pad, choices // k)                      # n_pad: past h, read as zeros
         hs = h.at[row[:, None], token].get(mode="fill", fill_value=0)      # [S, G, I]
         return _grouped_down(hs, slot_expert, where, experts).astype(z.dtype)
