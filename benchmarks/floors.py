@@ -57,13 +57,15 @@ def mla_tensor_ceilings(heads: int, latent: int, rope: int, device: str = "NVIDI
     spec peak and perfectly overlapped with the tile's read at the measured copy rate, the largest
     share of the byte roofline it can reach and the tensor-core efficiency it needs for 70%.
     Scores take 2 L (C + R) FLOPs per head, the weighted sum 2 L C; heads are wgmma's M side in
-    groups of BLOCK_H (padded) unless on its N side."""
+    groups of BLOCK_H (padded) unless on its N side (mla_decode's schedules "heads_m" / "heads_n";
+    the seesaw: session 22's patch). heads_n reads more SMEM per MMA clock (its N is 24 for the
+    scores, 48 for the weighted sum), which this count leaves out."""
     tile = mla_decode.BLOCK_L
     padded = -(-heads // mla_decode.BLOCK_H) * mla_decode.BLOCK_H
     scores, weighted_sum = 2 * tile * (latent + rope), 2 * tile * latent
-    schedules = {"padded heads, scores in both consumers (kernel)": padded * (2 * scores + weighted_sum),
+    schedules = {"padded heads, scores in both consumers (heads_m)": padded * (2 * scores + weighted_sum),
                  "padded heads, scores once (seesaw)": padded * (scores + weighted_sum),
-                 "unpadded heads, scores once": heads * (scores + weighted_sum)}
+                 "unpadded heads, scores once (heads_n)": heads * (scores + weighted_sum)}
     read_s = tile * (latent + rope) * 2 / costs.MEASURED_COPY_BANDWIDTH[device]
     rows = []
     for name, flops in schedules.items():

@@ -28,6 +28,12 @@ cache, 1152 B per token per sequence).
    consumer scoring for both (session 7), split scores (session 20), FlashAttention-3's
    ping-pong (session 19), FlashMLA's seesaw (session 22; patches in benchmarks/results/ab/) -
    and why: docs/pallas.md (mla_decode's design notes, "Not done yet") and BENCHMARKS.md.
+   `schedule="heads_n"` (`_attend_heads_n`, session 31, not yet timed on a GPU) puts the heads on
+   the wgmma's N side instead: groups of HEADS_N = 48 (K3's 96 heads: no padding), each consumer
+   scoring half of them once (S^T [64 tokens, 24 heads], softmax down the token axis), the two
+   swapping p^T and the rescale factors through SMEM once a tile, then each accumulating
+   O^T [C/2, 48] += latent[:, half].T @ p^T: the useful MMA work only (13.4 MFLOP a tile), for
+   more SMEM reads per MMA clock (N = 24 / 48).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
@@ -47,6 +53,7 @@ inside the 2^-6 tolerance (`tolerance`).
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +64,8 @@ from k3jax import ops
 from pallas_kernels import linear as lin
 from pallas_kernels import mgpu, registry
 
-BLOCK_H = 64        # wgmma M: heads per attention block
+BLOCK_H = 64        # wgmma M: heads per attention block ("heads_m")
+HEADS_N = 48        # wgmma N: heads per attention block ("heads_n"), HEADS_N / 2 scored per consumer
 BLOCK_L = 64        # tokens per attention pipeline step
 BLOCK_C = 128       # absorption: latent columns per block
 BLOCK_K = 128       # expansion: latent columns per pipeline step
@@ -94,11 +102,11 @@ def _expand_covers(v: int, c: int, rows: int) -> bool:
     return v % 64 == 0 and c % BLOCK_K == 0 and rows <= MAX_N
 
 
-def plan(batch: int, heads: int, length: int, c: int, r: int, sms: int) -> int:
+def plan(batch: int, heads: int, length: int, c: int, r: int, sms: int, block_heads: int = BLOCK_H) -> int:
     """Number of sequence splits: the one maximising (SM fill over whole waves, one block an SM)
     x (cache bytes / (cache + partial bytes written and read back)); ties go to fewer splits.
-    c, r: the latent and shared-key widths of a cached token (bf16)."""
-    groups = -(-heads // BLOCK_H)
+    c, r: the latent and shared-key widths of a cached token (bf16); block_heads: heads a block."""
+    groups = -(-heads // block_heads)
     tiles = length // BLOCK_L
     cache = batch * length * (c + r) * 2.0
     best = (0.0, 1)
@@ -107,7 +115,7 @@ def plan(batch: int, heads: int, length: int, c: int, r: int, sms: int) -> int:
             continue
         blocks = s * batch * groups
         fill = blocks / (math.ceil(blocks / sms) * sms)
-        partial = 2 * s * batch * groups * BLOCK_H * (c * 2 + 8)
+        partial = 2 * s * batch * groups * block_heads * (c * 2 + 8)
         score = fill * cache / (cache + partial)
         if score > best[0] + 1e-9:
             best = (score, s)
@@ -171,57 +179,111 @@ def _absorb(q_nope, q_rope, w_kv_b, hp: int):
     )(q_nope, q_rope, w_kv_b)
 
 
-def _softmax_update(s, m_i, m_new, l_i, acc):
-    """Online softmax (base 2) for scores s [64, T] under the new row maxima m_new (old: m_i) ->
-    (p [64, T], the running sum l rescaled plus p's rows, acc rescaled)."""
+def _online_softmax(s, m_i, l_i, token_axis: int):
+    """One tile of the online softmax (base 2): scores s [64, 64] with the tokens along
+    `token_axis`, the running maxima m_i and sums l_i (one per head) -> (p, m_new, alpha = the
+    factor that rescales the old sums and outputs, l_new)."""
+    head_axis = 1 - token_axis
+    m_new = jnp.maximum(m_i, s.max(axis=token_axis))
     alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
-    return p, l_i * alpha + p.sum(axis=1), acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [head_axis]))
+    return p, m_new, alpha, l_i * alpha + p.sum(axis=token_axis)
 
 
-def _pv(acc, p, v_ref, p_smem):
-    """acc + p @ v_ref by wgmma. Compiled, p [64, T] (registers) is the wgmma's A operand and
-    acc accumulates in place; interpreted (no register A there), p goes through p_smem."""
-    if p_smem is None:
-        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_ref))(plgpu.ACC.init(acc))
-    p_smem[...] = p
-    plgpu.commit_smem()
+def _accumulate(acc, a, b):
+    """acc + a @ b by wgmma: in place when compiled; interpreted, into a fresh accumulator."""
+    if mgpu.interpret_params() is None:
+        return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b))(plgpu.ACC.init(acc))
 
     def scoped(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_ref)
-        return acc_ref[...]             # waits: p_smem is free for the next step
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]             # waits: the operands are free for the next step
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
 
 
-def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
-    """q_lat [Bq, Hp, C], q_rope [Bq, Hp, R] bf16 (Hp % 64 == 0, Bq >= B) -> o [S, B, Hp, C] bf16
-    (per split: sum_t 2^(s_t - m) latent_t / l), m, l [S, B, Hp] float32 (the split's max score,
-    base 2, and sum_t 2^(s_t - m))."""
-    hp, c = q_lat.shape[1:]
+def _stream_cache(lat_gmem, kr_gmem, lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps: int):
+    """The attention block's producer loop: TMA of the split's `live` cache tiles of one sequence
+    (latent [L, C] in two C halves + k_rope [L, R]), tile t into ring slot t % STAGES once both
+    consumers freed it."""
+    half = lat_smem.shape[-1]
+
+    def load(t, slot):
+        for j in range(2):
+            plgpu.copy_gmem_to_smem(lat_gmem.at[toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
+                                    lat_bar.at[2 * slot + j])
+        plgpu.copy_gmem_to_smem(kr_gmem.at[toks(t)], kr_smem.at[slot], kr_bar.at[slot])
+    for t in range(min(STAGES, steps)):
+        @pl.when(t < live)
+        def _(t=t):
+            load(t, t)
+
+    @pl.loop(STAGES, jnp.maximum(live, STAGES))
+    def _(t):
+        slot = t % STAGES
+        plgpu.barrier_wait(free_bar.at[slot])     # both consumers are done with step t - STAGES
+        load(t, slot)
+
+    # Observe the last tiles' releases too: the interpreter requires every waiter of a barrier to
+    # have seen all its phases by the end (free on a GPU: the block ends here).
+    @pl.loop(jnp.maximum(live - STAGES, 0), live)
+    def _(t):
+        plgpu.barrier_wait(free_bar.at[t % STAGES])
+
+
+class _Block(NamedTuple):
+    """What an attention block's consumer warpgroup works with (`_flash_decode`)."""
+    wg: jax.Array               # 0 or 1: this consumer (its C half of o)
+    valid: jax.Array            # tokens of the split below kv_len (negative: none)
+    live: jax.Array             # the split's tiles holding one of them
+    ql: Any                     # SMEM q_lat [2 (C halves), heads, C/2]
+    qr: Any                     # SMEM q_rope [heads, R]
+    lat: Any                    # SMEM ring [STAGES, 2 (C halves), BLOCK_L, C/2]
+    kr: Any                     # SMEM ring [STAGES, BLOCK_L, R]
+    wait_tile: Callable         # slot -> None: waits until the slot's tile is in SMEM
+    free_tile: Callable         # slot -> None: this consumer is done with the slot
+    o_out: Any                  # GMEM o [heads, C/2] of this consumer's half
+    m_out: Any                  # GMEM m [heads]
+    l_out: Any                  # GMEM l [heads]
+
+
+def _store_split(blk: _Block, o_smem, ml_smem) -> None:
+    """The consumer's split results to GMEM: its o half from o_smem [heads, C/2] and (consumer 0)
+    m, l from ml_smem [2, heads]."""
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, blk.o_out)
+
+    @pl.when(blk.wg == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(ml_smem.at[0], blk.m_out)
+        plgpu.copy_smem_to_gmem(ml_smem.at[1], blk.l_out)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _flash_decode(consumer, name: str, q_lat, q_rope, latent, k_rope, kv_len, splits: int, block_heads: int,
+                  scratch: list):
+    """The attention kernel of both schedules: grid (group of `block_heads` heads, batch, split),
+    three warpgroups - `_stream_cache` as the producer, and consumer(blk: _Block, *scratch refs)
+    in warpgroups 0 and 1 once the group's q is in SMEM. q_lat [Bq, Hq, C], q_rope [Bq, Hq, R]
+    bf16 (Hq % block_heads == 0, Bq >= B) -> o [S, B, Hq, C] bf16 (per split: sum_t 2^(s_t - m)
+    latent_t / l), m, l [S, B, Hq] float32 (the split's max score, base 2, and sum_t 2^(s_t - m))."""
+    hq, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
     b, length = latent.shape[:2]
     per = length // splits
     steps = per // BLOCK_L
     half = c // 2
-    interpret = mgpu.interpret_params()
     tf = _tf(64)
 
-    def mla_attend(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
-                   ql_smem, qr_smem, lat_smem, kr_smem, ml_smem, p_smem, q_bar, lat_bar, kr_bar, free_bar, done_bar):
+    def body(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
+             ql_smem, qr_smem, lat_smem, kr_smem, q_bar, lat_bar, kr_bar, free_bar, *extra):
         # C halves are separate SMEM arrays (index 0/1 = half): a TMA store needs a contiguous
         # source, and each consumer stages its o half in one.
         si, bi, gi = jax.lax.axis_index("s"), jax.lax.axis_index("b"), jax.lax.axis_index("g")
         wg = jax.lax.axis_index("wg")
-        heads = pl.ds(gi * BLOCK_H, BLOCK_H)
+        heads = pl.ds(gi * block_heads, block_heads)
         toks = lambda t: pl.ds(si * per + t * BLOCK_L, BLOCK_L)  # noqa: E731
-
-        def valid_tokens():
-            """Tokens of this split below kv_len (negative: the split lies wholly past it)."""
-            return plgpu.load(len_gmem.at[bi]) - si * per
-
-        def live_steps(valid):
-            """This split's tiles holding one of its `valid` tokens (later tiles are neither read nor scored)."""
-            return jnp.clip((valid + BLOCK_L - 1) // BLOCK_L, 0, steps)
+        valid = plgpu.load(len_gmem.at[bi]) - si * per
+        live = jnp.clip((valid + BLOCK_L - 1) // BLOCK_L, 0, steps)   # later tiles: neither read nor scored
 
         @pl.when(wg == 2)
         def _producer():
@@ -229,104 +291,164 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
             for j in range(2):
                 plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
             plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
-
-            def load(t, slot):
-                for j in range(2):
-                    plgpu.copy_gmem_to_smem(lat_gmem.at[bi, toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
-                                            lat_bar.at[2 * slot + j])
-                plgpu.copy_gmem_to_smem(kr_gmem.at[bi, toks(t)], kr_smem.at[slot], kr_bar.at[slot])
-            live = live_steps(valid_tokens())
-            for t in range(min(STAGES, steps)):
-                @pl.when(t < live)
-                def _(t=t):
-                    load(t, t)
-
-            @pl.loop(STAGES, jnp.maximum(live, STAGES))
-            def _(t):
-                slot = t % STAGES
-                plgpu.barrier_wait(free_bar.at[slot])     # both consumers are done with step t - STAGES
-                load(t, slot)
-
-            # Observe the last tiles' releases too: the interpreter requires every waiter of a
-            # barrier to have seen all its phases by the end (free on a GPU: the block ends here).
-            @pl.loop(jnp.maximum(live - STAGES, 0), live)
-            def _(t):
-                plgpu.barrier_wait(free_bar.at[t % STAGES])
+            _stream_cache(lat_gmem.at[bi], kr_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
 
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
-            valid = valid_tokens()
             for j in range(3):
                 plgpu.barrier_wait(q_bar.at[j])
 
-            def step(t, carry):
-                acc, m_i, l_i = carry
-                slot = t % STAGES
+            def wait_tile(slot):
                 for j in range(2):
                     plgpu.barrier_wait(lat_bar.at[2 * slot + j])
                 plgpu.barrier_wait(kr_bar.at[slot])
-
-                def qk(s_ref):
-                    for j in range(2):
-                        plgpu.wgmma(s_ref, ql_smem.at[j], lat_smem.at[slot, j].transpose((1, 0)))
-                    plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
-                    return s_ref[...]
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_L), f32)) * (scale * LOG2E)
-                pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(pos + t * BLOCK_L < valid, s, MASKED)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                p, l_i, acc = _softmax_update(s, m_i, m_new, l_i, acc)
-                acc = _pv(acc, p.astype(lat_smem.dtype), lat_smem.at[slot, wg],
-                          None if interpret is None else p_smem.at[wg])
-                plgpu.barrier_arrive(free_bar.at[slot])
-                return acc, m_new, l_i
-
-            init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
-                    plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
-            acc, m_i, l_i = jax.lax.fori_loop(0, live_steps(valid), step, init)
-
-            # Both consumers read every tile to the end: wait for both before staging o in one.
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
-            o_smem = lat_smem.at[0, wg]
-            # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
-            l_pos = jnp.maximum(l_i, 1e-30)
-            o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [0])).astype(o_smem.dtype)
-
-            @pl.when(wg == 0)       # both consumers hold the same (m, l); one writes them
-            def _():
-                ml_smem.at[0][...] = m_i
-                ml_smem.at[1][...] = l_i
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, bi, heads, pl.ds(wg * half, half)])
-
-            @pl.when(wg == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(ml_smem.at[0], m_gmem.at[si, bi, heads])
-                plgpu.copy_smem_to_gmem(ml_smem.at[1], l_gmem.at[si, bi, heads])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            consumer(_Block(wg, valid, live, ql_smem, qr_smem, lat_smem, kr_smem, wait_tile,
+                            lambda slot: plgpu.barrier_arrive(free_bar.at[slot]),
+                            o_gmem.at[si, bi, heads, pl.ds(wg * half, half)], m_gmem.at[si, bi, heads],
+                            l_gmem.at[si, bi, heads]), *extra)
 
     return plgpu.kernel(
-        mla_attend,
-        out_type=(jax.ShapeDtypeStruct((splits, b, hp, c), latent.dtype), jax.ShapeDtypeStruct((splits, b, hp), f32),
-                  jax.ShapeDtypeStruct((splits, b, hp), f32)),
+        body,
+        out_type=(jax.ShapeDtypeStruct((splits, b, hq, c), latent.dtype), jax.ShapeDtypeStruct((splits, b, hq), f32),
+                  jax.ShapeDtypeStruct((splits, b, hq), f32)),
         scratch_types=[
-            plgpu.SMEM((2, BLOCK_H, half), q_lat.dtype, transforms=tf),
-            plgpu.SMEM((BLOCK_H, r), q_rope.dtype, transforms=tf),
+            plgpu.SMEM((2, block_heads, half), q_lat.dtype, transforms=tf),
+            plgpu.SMEM((block_heads, r), q_rope.dtype, transforms=tf),
             plgpu.SMEM((STAGES, 2, BLOCK_L, half), latent.dtype, transforms=tf),
             plgpu.SMEM((STAGES, BLOCK_L, r), k_rope.dtype, transforms=tf),
-            plgpu.SMEM((2, BLOCK_H), f32),
-            # p in SMEM: staging in interpret mode only (compiled, p stays in registers).
-            plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype, transforms=tf),
             plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=2 * STAGES), plgpu.Barrier(num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES), plgpu.Barrier(num_arrivals=2),
-        ],
-        grid=(hp // BLOCK_H, b, splits), grid_names=("g", "b", "s"),
-        num_threads=3, thread_name="wg",
-        interpret=interpret,
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+        ] + scratch,
+        grid=(hq // block_heads, b, splits), grid_names=("g", "b", "s"),
+        num_threads=3, thread_name="wg", kernel_name=name,
+        interpret=mgpu.interpret_params(),
     )(q_lat, q_rope, latent, k_rope, kv_len)
+
+
+def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
+    """The "heads_m" schedule (`_flash_decode`'s contract, Hq % BLOCK_H == 0): heads are the wgmma's
+    M side in groups of BLOCK_H; both consumers score the group's heads against every tile
+    ([64 heads, 64 tokens]), each accumulating its C half of o (p from registers as the A operand)."""
+    half = q_lat.shape[-1] // 2
+    interpret = mgpu.interpret_params()
+
+    def consumer(blk: _Block, ml_smem, p_smem, done_bar):
+        def step(t, carry):
+            acc, m_i, l_i = carry
+            slot = t % STAGES
+            blk.wait_tile(slot)
+
+            def qk(s_ref):
+                for j in range(2):
+                    plgpu.wgmma(s_ref, blk.ql.at[j], blk.lat.at[slot, j].transpose((1, 0)))
+                plgpu.wgmma(s_ref, blk.qr, blk.kr.at[slot].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_L), f32)) * (scale * LOG2E)
+            pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_L), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(pos + t * BLOCK_L < blk.valid, s, MASKED)
+            p, m_new, alpha, l_i = _online_softmax(s, m_i, l_i, token_axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p = p.astype(blk.lat.dtype)
+            if interpret is not None:       # the interpreter has no register A operand
+                p_smem.at[blk.wg][...] = p
+                plgpu.commit_smem()
+                p = p_smem.at[blk.wg]
+            acc = _accumulate(acc, p, blk.lat.at[slot, blk.wg])
+            blk.free_tile(slot)
+            return acc, m_new, l_i
+
+        init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((BLOCK_H,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((BLOCK_H,), f32), plgpu.Layout.WGMMA.reduce(1)))
+        acc, m_i, l_i = jax.lax.fori_loop(0, blk.live, step, init)
+
+        # Both consumers read every tile to the end: wait for both before staging o in one.
+        plgpu.barrier_arrive(done_bar)
+        plgpu.barrier_wait(done_bar)
+        o_smem = blk.lat.at[0, blk.wg]
+        # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
+        l_pos = jnp.maximum(l_i, 1e-30)
+        o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [0])).astype(o_smem.dtype)
+
+        @pl.when(blk.wg == 0)       # both consumers hold the same (m, l); one writes them
+        def _():
+            ml_smem.at[0][...] = m_i
+            ml_smem.at[1][...] = l_i
+        _store_split(blk, o_smem, ml_smem)
+
+    scratch = [plgpu.SMEM((2, BLOCK_H), f32),
+               # p in SMEM: staging in interpret mode only (compiled, p stays in registers).
+               plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype,
+                          transforms=_tf(64)),
+               plgpu.Barrier(num_arrivals=2)]
+    return _flash_decode(consumer, "mla_attend", q_lat, q_rope, latent, k_rope, kv_len, splits, BLOCK_H, scratch)
+
+
+def _attend_heads_n(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
+    """The "heads_n" schedule (`_flash_decode`'s contract, Hq % HEADS_N == 0): heads on the wgmma's
+    N side, so none is padded to 64 and each tile is scored once. Consumer w scores heads
+    w * HEADS_N / 2 .. of its group (S^T [64 tokens, HEADS_N / 2] = latent tile @ q.T + k_rope
+    tile @ q_rope.T), runs their online softmax down the token axis and puts p^T and the rescale
+    factors in SMEM; once both have (one two-way barrier a tile), each accumulates O^T[C half w,
+    the group's heads] += latent[:, half w].T @ p^T (M = C / 2, N = HEADS_N, K = 64)."""
+    half, scored = q_lat.shape[-1] // 2, HEADS_N // 2
+    heads_col = plgpu.Layout.WGMMA.reduce(0)       # a vector along the heads (N) of a WGMMA array
+
+    def consumer(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
+        mine = pl.ds(blk.wg * scored, scored)       # the heads this consumer scores
+
+        def step(t, carry):
+            acc, m_i, l_i = carry               # O^T [C/2, HEADS_N]; m, l of its scored heads
+            slot, buf = t % STAGES, t % 2
+            blk.wait_tile(slot)
+
+            def qk(s_ref):
+                for j in range(2):
+                    plgpu.wgmma(s_ref, blk.lat.at[slot, j], blk.ql.at[j, mine].transpose((1, 0)))
+                plgpu.wgmma(s_ref, blk.kr.at[slot], blk.qr.at[mine].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_L, scored), f32)) * (scale * LOG2E)
+            pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_L, scored), 0, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(pos + t * BLOCK_L < blk.valid, s, MASKED)
+            p, m_new, alpha, l_i = _online_softmax(s, m_i, l_i, token_axis=0)
+            # Hand p^T and alpha of its heads to both consumers' PV. Buffer t % 2: the other
+            # consumer's PV of tile t - 2 finished before it arrived at tile t - 1's barrier.
+            p_smem.at[buf, mine].transpose((1, 0))[...] = p.astype(p_smem.dtype)
+            alpha_smem.at[buf, mine][...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(swap_bar.at[buf])
+            plgpu.barrier_wait(swap_bar.at[buf])
+            alpha_all = plgpu.load(alpha_smem.at[buf], layout=heads_col, optimized=False)
+            acc = acc * jax.lax.broadcast_in_dim(alpha_all, acc.shape, [1])
+            acc = _accumulate(acc, blk.lat.at[slot, blk.wg].transpose((1, 0)), p_smem.at[buf].transpose((1, 0)))
+            blk.free_tile(slot)
+            return acc, m_new, l_i
+
+        init = (plgpu.layout_cast(jnp.zeros((half, HEADS_N), f32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((scored,), MASKED, f32), heads_col),
+                plgpu.layout_cast(jnp.zeros((scored,), f32), heads_col))
+        acc, m_i, l_i = jax.lax.fori_loop(0, blk.live, step, init)
+
+        # Each consumer knows (m, l) of its scored heads and needs l of all: swap them, then
+        # stage o^T's half in q's SMEM (both consumers are past every tile's scores).
+        ml_smem.at[0, mine][...] = m_i
+        ml_smem.at[1, mine][...] = l_i
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done_bar)
+        plgpu.barrier_wait(done_bar)
+        # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
+        l_pos = jnp.maximum(plgpu.load(ml_smem.at[1], layout=heads_col, optimized=False), 1e-30)
+        o_smem = blk.ql.at[blk.wg]
+        o_smem.transpose((1, 0))[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [1])).astype(o_smem.dtype)
+        _store_split(blk, o_smem, ml_smem)
+
+    scratch = [plgpu.SMEM((2, HEADS_N, BLOCK_L), latent.dtype, transforms=_tf(64)),    # p^T, two tiles
+               plgpu.SMEM((2, HEADS_N), f32),                                           # alpha, two tiles
+               plgpu.SMEM((2, HEADS_N), f32),                                           # final (m, l)
+               plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)]
+    return _flash_decode(consumer, "mla_attend_heads_n", q_lat, q_rope, latent, k_rope, kv_len, splits, HEADS_N,
+                         scratch)
 
 
 def _expand(o_t, w_kv_b, n: int):
@@ -353,6 +475,10 @@ def _expand(o_t, w_kv_b, n: int):
     )(o_t, w_kv_b)
 
 
+# schedule -> (attention kernel, heads a block)
+SCHEDULES = {"heads_m": (_attend, BLOCK_H), "heads_n": (_attend_heads_n, HEADS_N)}
+
+
 def _combine(o, m, l):
     """Log-sum-exp combine of the splits (base 2; a fully masked split has m = MASKED: weight 0):
     o [S, B, Hp, C] bf16 (normalised per split), m, l [S, B, Hp] float32 -> [B, Hp, C] float32."""
@@ -360,16 +486,21 @@ def _combine(o, m, l):
     return (wgt[..., None] * o.astype(f32)).sum(0) / wgt.sum(0)[..., None]
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits: int | None = None):
-    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. splits: of the sequence
-    in the attention kernel (default `plan`'s; must divide its 64-token tiles), an ablation knob."""
+def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits: int | None = None,
+               schedule: str = "heads_m"):
+    """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. Ablation knobs: splits of
+    the sequence in the attention kernel (default `plan`'s; must divide its 64-token tiles), and its
+    schedule (one of SCHEDULES: `_attend`, `_attend_heads_n`)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"mla_decode: schedule={schedule!r}; choose one of {tuple(SCHEDULES)}")
     if not covers(latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
         why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
         return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape
     c = latent.shape[-1]
     v = w_kv_b.shape[0] // h - n
-    hp = -(-h // BLOCK_H) * BLOCK_H
+    attend, block_heads = SCHEDULES[schedule]
+    hp = -(-h // block_heads) * block_heads
     bf16_w = w_kv_b.dtype == q_nope.dtype
     if bf16_w and _absorb_covers(n, c):
         rows, blocks = _row_blocks(b)
@@ -381,10 +512,10 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits:
         qr = jnp.pad(q_rope, pad)
     tiles = latent.shape[1] // BLOCK_L
     if splits is None:
-        splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms())
+        splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms(), block_heads)
     elif splits < 1 or tiles % splits:
         raise ValueError(f"mla_decode: splits={splits} does not divide the cache's {tiles} tiles of {BLOCK_L} tokens")
-    o, m, l = _attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
+    o, m, l = attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
     o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):
@@ -428,8 +559,17 @@ def cases() -> list[registry.Case]:
              case("b4_h8_c128_l384_one_split", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=1),
              case("b4_h8_c128_l384_two_splits", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=2),
              case("fallback_l100", 2, 4, 16, 16, 128, 16, 100)]
+    # The "heads_n" schedule: one group with padding heads, two groups (V 64, three lengths), K3's
+    # 96 heads exactly, several tiles a split.
+    small += [case("b2_h8_c128_l128_heads_n", 2, 8, 32, 64, 128, 32, 128, schedule="heads_n"),
+              case("b3_h70_c128_l192_v64_heads_n", 3, 70, 16, 64, 128, 64, 192, lens=[1, 65, 192], schedule="heads_n"),
+              case("b1_h96_c256_l256_full_heads_n", 1, 96, 64, 64, 256, 64, 256, lens=[256], schedule="heads_n"),
+              case("b4_h8_c128_l384_two_splits_heads_n", 4, 8, 16, 64, 128, 32, 384, lens=lens, splits=2,
+                   schedule="heads_n")]
     k3 = [case(f"ctx{ctx}_b{bb}", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}))
           for ctx in K3_CONTEXTS for bb in BENCH_BATCHES if bb * ctx <= 32 * 32768]
+    k3 += [case(f"ctx{ctx}_b{bb}_heads_n", bb, *K3.values(), ctx, lens=[ctx] * bb, sizes=frozenset({"k3"}),
+                schedule="heads_n") for ctx in K3_CONTEXTS for bb in (1, 8, 32)]
     # Sequences of random lengths in one cache (the tiles past each kv_len are skipped).
     k3.append(case("ctx4096_b8_ragged", 8, *K3.values(), 4096, sizes=frozenset({"k3"})))
     return small + k3

@@ -1,8 +1,8 @@
 """The Pallas (Mosaic GPU) absorbed MLA decode attention against k3jax.ops.mla_decode: CPU
 interpret mode (race detection, NaN-poisoned memory; the three-warpgroup attention needs the 8
 host devices conftest.py sets, see pallas_kernels/mla_decode.py) over the sweep's cases (several
-tiles a split among them), the absorption / expansion kernels alone, CUDA lowering export of the
-K3 shapes on CPU, and the real kernel on a GPU."""
+tiles a split among them; both schedules, heads_m and heads_n), the absorption / expansion
+kernels alone, CUDA lowering export of the K3 shapes on CPU, and the real kernels on a GPU."""
 
 
 import jax
@@ -50,14 +50,21 @@ def test_plan_divides_the_sequence(batch, length):
     assert (length // mla.BLOCK_L) % s == 0
 
 
+@pytest.mark.parametrize("schedule", list(mla.SCHEDULES))
 @pytest.mark.parametrize("batch,length", [(1, 32768), (8, 4096), (128, 1024), (256, 1024)])
-def test_mla_decode_cuda_export(batch, length):
-    """Lowers the real (compiled) kernel for CUDA at K3 shapes on this CPU machine."""
+def test_mla_decode_cuda_export(batch, length, schedule):
+    """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine."""
     avals = jax.eval_shape(mla._make(batch, *mla.K3.values(), length), jax.random.key(0))
     with mgpu.compile_for_gpu():
-        exported = jax.export.export(jax.jit(lambda *a: mla.mla_decode(*a, 192 ** -0.5)),
+        exported = jax.export.export(jax.jit(lambda *a: mla.mla_decode(*a, 192 ** -0.5, schedule=schedule)),
                                      platforms=["cuda"])(*avals)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_unknown_schedule_is_named():
+    args = mla._make(1, 8, 32, 64, 128, 32, 128)(jax.random.key(0))
+    with pytest.raises(ValueError, match="schedule='heads_k'; choose one of"):
+        mla.mla_decode(*args, 0.1, schedule="heads_k")
 
 
 def test_splits_that_do_not_divide_the_tiles_are_named():
