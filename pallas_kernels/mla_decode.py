@@ -180,9 +180,9 @@ def _absorb(q_nope, q_rope, w_kv_b, hp: int):
 
 
 def _online_softmax(s, m_i, l_i, token_axis: int):
-    """One tile of the online softmax (base 2): scores s [64, 64] with the tokens along
-    `token_axis`, the running maxima m_i and sums l_i (one per head) -> (p, m_new, alpha = the
-    factor that rescales the old sums and outputs, l_new)."""
+    """One tile of the online softmax (base 2): scores s (a 2-D WGMMA array, its tokens along
+    `token_axis`, its heads along the other), the running maxima m_i and sums l_i (one per head)
+    -> (p, m_new, alpha = the factor that rescales the old sums and outputs, l_new)."""
     head_axis = 1 - token_axis
     m_new = jnp.maximum(m_i, s.max(axis=token_axis))
     alpha = jnp.exp2(m_i - m_new)
