@@ -5,7 +5,8 @@ compressed-tensors MXFP4 layout (packed uint8 [E, out, in/2], scales uint8 [E, o
 k3jax.mxfp4; W4A16) or bf16 (w1/w3 [E, I, M], w2 [E, M, I]; Kimi-Linear's checkpoint, K3's bf16 ablation). Same contract and
 dispatch as k3jax.ops.moe_experts' decode schedule: the distinct selected experts (static bound
 U = min(E, N*k), padded with E) run on every token, and a [U, N] coefficient matrix
-(ops.expert_dispatch) combines them - no sort, no scatter.
+(ops.expert_dispatch) combines them - no sort, no scatter. One token takes its routing weights
+as they are, one scalar per slot (no XLA launch pads them into a matrix).
 
 Two Mosaic GPU kernels, one warpgroup per program; every selected expert's bytes are read
 exactly once per call, padded expert slots read nothing:
@@ -410,13 +411,15 @@ def _staging(body, staged: bool):
 
 
 def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slot: bool = False):
-    """h [U, Np, I] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding).
+    """h [U, Np, I] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding);
+    coef [U, Np] float32, or [U] (one token: a scalar per slot, which also multiplies the padding
+    columns, whose h is 0: their z rows are).
     Token-major: each program stores its [64, Np] tile transposed, so the down kernel's layout is
     a permutation within rows of I and the mixed schedule gathers whole rows (H100, session 30,
     against [U, I, Np]: 16 tokens op 1354 vs 1443 us, gate/up 852 vs 942; 1 and 8 tokens equal;
     128 grouped +0.5%). zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens
     [U, Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
-    u_n, n_pad = coef.shape
+    u_n, n_pad = uniq.shape[0], zt.shape[-2]
     tiled = gate[0].ndim == 5
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
     mx = len(gate) == 2
@@ -449,8 +452,11 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slo
                     plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
                 # The reference's formula on registers: bf16 projections, float32 activation.
                 h = ops.glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), act, beta, linear_beta)
-                cf = plgpu.load(coef_g.at[ui], layout=COL, optimized=False)
-                o_t[...] = (h.astype(jnp.float32) * jax.lax.broadcast_in_dim(cf, h.shape, (1,))).astype(jnp.bfloat16)
+                if coef.ndim == 1:
+                    cf = coef_g[ui]
+                else:
+                    cf = jax.lax.broadcast_in_dim(plgpu.load(coef_g.at[ui], layout=COL, optimized=False), h.shape, (1,))
+                o_t[...] = (h.astype(jnp.float32) * cf).astype(jnp.bfloat16)
 
             @pl.when(eid >= n_exp)
             def _padding():
@@ -615,7 +621,13 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     n_pad = max(8, -(-n // 8) * 8)
     slots = min(n_exp, n * k)
     uniq, coef = ops.expert_dispatch(ids, weights, n_exp, slots)
-    coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
+    if n == 1 and slots == k:
+        # One token: uniq is its ids in choice order (expert_dispatch), so slot j's coefficient is
+        # routing weight j, a scalar the kernel reads itself - no XLA launch for the padded
+        # matrix (an id >= E is a padding slot the kernel skips: its weight is never read).
+        coef = weights[0].astype(jnp.float32)
+    else:
+        coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
     zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)
     h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
     if n >= GROUPED_DOWN_FROM[mx]:

@@ -171,6 +171,15 @@ def test_grouped_schedule_in_calls_with_full_slots(monkeypatch):
     _assert_race_free_and_matches(z, ids.at[5, 1].set(8), w, experts)
 
 
+@pytest.mark.parametrize("fmt,d", [("mxfp4", 512), ("bf16", 128)])
+def test_one_token_scalar_coefficients_and_foreign_id(fmt, d):
+    """One token: each slot's coefficient is its routing weight, read by the kernel as a scalar
+    (no padded coefficient matrix); a choice of another shard's expert (id E) is a skipped slot
+    whose weight is never applied."""
+    z, ids, w, experts = me._make(1, d, d, 8, 3, fmt)(jax.random.key(6))
+    _assert_race_free_and_matches(z, ids.at[0, 1].set(8), w, experts)
+
+
 def test_mixed_schedule_repeated_and_foreign_ids():
     """The row schedule with its down kernel grouped (GROUPED_DOWN_FROM): a token naming one expert
     twice (its summed coefficient counted once) and an id of another shard's expert (id E)."""
