@@ -20,7 +20,8 @@ rotated past L2; fraction of the measured copy rate, k3jax.costs.copy_bandwidth)
                           expansion weights (12 MiB each at K3), the whole w_kv_b and larger;
   smallest_kernel         XLA: 8 floats, the time any one kernel takes.
 and, computed rather than timed (`mla_tensor_ceilings`, printed first on any device), the share of
-the byte roofline the tensor cores allow MLA decode attention per schedule of its matrix products.
+the byte roofline the tensor cores, and the SMEM its matrix products read, allow MLA decode
+attention per schedule.
 Every output is checked (the slab copy must return its input bit for bit). On a CPU the Pallas rows
 run in interpret mode and the times are wall clock: only the GPU's numbers are ceilings.
 """
@@ -51,27 +52,50 @@ WEIGHT_MIB = (12, 24, 48, 96, 280)
 ROTATIONS = 4
 
 
+# A Hopper SM moves 128 bytes of shared memory per clock and does 4096 dense bf16 FLOP per clock,
+# so wgmma operands read from SMEM stream at most at PEAK_BF16_FLOPS * this many bytes per second.
+SMEM_BYTES_PER_PEAK_FLOP = 128 / 4096
+
+
 def mla_tensor_ceilings(heads: int, latent: int, rope: int, device: str = "NVIDIA H200") -> list[dict]:
     """Per schedule of MLA's absorbed decode attention (pallas_kernels.mla_decode), over one cached
-    tile of BLOCK_L tokens: the matrix-product FLOPs it executes, and, with the tensor cores at their
-    spec peak and perfectly overlapped with the tile's read at the measured copy rate, the largest
-    share of the byte roofline it can reach and the tensor-core efficiency it needs for 70%.
-    Scores take 2 L (C + R) FLOPs per head, the weighted sum 2 L C; heads are wgmma's M side in
-    groups of BLOCK_H (padded) unless on its N side (mla_decode's schedules "heads_m" / "heads_n";
-    the seesaw: session 22's patch). heads_n reads more SMEM per MMA clock (its N is 24 for the
-    scores, 48 for the weighted sum), which this count leaves out."""
-    tile = mla_decode.BLOCK_L
-    padded = -(-heads // mla_decode.BLOCK_H) * mla_decode.BLOCK_H
+    tile of BLOCK_L tokens: the matrix-product FLOPs it executes and the bytes its wgmmas read from
+    SMEM as operands, and, with the tensor cores (or SMEM) at their spec peak and perfectly
+    overlapped with the tile's read at the measured copy rate, the largest share of the byte
+    roofline each allows (`max_frac_roofline`: tensor cores; `_smem`: SMEM; `_both`: the lower),
+    and the tensor-core efficiency 70% needs. Scores take 2 L (C + R) FLOPs per head, the
+    weighted sum 2 L C. Schedules: "heads_m" (heads are wgmma's M side in padded groups of BLOCK_H,
+    both consumers score every head, p from registers), the seesaw (session 22's patch: scored
+    once), "heads_n" (groups of HEADS_N on the N side, HEADS_N / 2 scored per consumer, the latent
+    tile the A operand of both products, p^T the B operand of each C half's four M groups). SMEM
+    bytes count the wgmma operands only (not p's or the softmax's own SMEM traffic)."""
+    tile, md = mla_decode.BLOCK_L, mla_decode
+    padded = -(-heads // md.BLOCK_H) * md.BLOCK_H
     scores, weighted_sum = 2 * tile * (latent + rope), 2 * tile * latent
-    schedules = {"padded heads, scores in both consumers (heads_m)": padded * (2 * scores + weighted_sum),
-                 "padded heads, scores once (seesaw)": padded * (scores + weighted_sum),
-                 "unpadded heads, scores once (heads_n)": heads * (scores + weighted_sum)}
+    k_bytes, v_half_bytes = tile * (latent + rope) * 2, tile * latent // 2 * 2
+    q_block = md.BLOCK_H * (latent + rope) * 2
+    groups_m, groups_n = padded // md.BLOCK_H, -(-heads // md.HEADS_N)
+    scored = md.HEADS_N // 2
+    heads_n_consumer = (k_bytes + scored * (latent + rope) * 2                        # scores: latent tile + q rows
+                        + v_half_bytes + (latent // 2 // 64) * tile * md.HEADS_N * 2)  # C half of latent + p^T per M group
+    schedules = {
+        "padded heads, scores in both consumers (heads_m)":
+            (padded * (2 * scores + weighted_sum), groups_m * 2 * (q_block + k_bytes + v_half_bytes)),
+        "padded heads, scores once (seesaw)":
+            (padded * (scores + weighted_sum), groups_m * (q_block + k_bytes + 2 * v_half_bytes)),
+        "unpadded heads, scores once (heads_n)":
+            (heads * (scores + weighted_sum), groups_n * 2 * heads_n_consumer),
+    }
     read_s = tile * (latent + rope) * 2 / costs.MEASURED_COPY_BANDWIDTH[device]
     rows = []
-    for name, flops in schedules.items():
+    for name, (flops, smem) in schedules.items():
         tensor_s = flops / costs.PEAK_BF16_FLOPS[device]
+        smem_s = smem / (costs.PEAK_BF16_FLOPS[device] * SMEM_BYTES_PER_PEAK_FLOP)
         rows.append({"name": f"mla_tensor_ceiling: {name}", "mma_flops_per_tile": flops,
+                     "smem_operand_bytes_per_tile": smem,
                      "max_frac_roofline": min(1.0, read_s / tensor_s),
+                     "max_frac_roofline_smem": min(1.0, read_s / smem_s),
+                     "max_frac_roofline_both": min(1.0, read_s / max(tensor_s, smem_s)),
                      "efficiency_for_70pct": tensor_s / (read_s / 0.7)})
     return rows
 
@@ -192,9 +216,10 @@ def main(argv=None) -> int:
         cfg = get_preset(args.preset)
         ceilings = mla_tensor_ceilings(cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         for c in ceilings:
-            print(f"{c['name']:72s} {c['mma_flops_per_tile'] / 1e6:6.2f} MFLOP/tile  at most "
-                  f"{c['max_frac_roofline']:4.0%} of the byte roofline; 70% needs {c['efficiency_for_70pct']:4.0%} "
-                  f"of the tensor peak")
+            print(f"{c['name']:60s} {c['mma_flops_per_tile'] / 1e6:6.2f} MFLOP, "
+                  f"{c['smem_operand_bytes_per_tile'] / 1024:4.0f} KB of SMEM operands a tile: at most "
+                  f"{c['max_frac_roofline']:4.0%} (tensor) / {c['max_frac_roofline_smem']:4.0%} (SMEM) of the byte "
+                  f"roofline; 70% needs {c['efficiency_for_70pct']:4.0%} of the tensor peak")
         rows = ceilings + measure(batches, cfg.kda_num_heads, cfg.kda_head_dim, WEIGHT_MIB, args.rounds)
         if args.out:
             atomic.write_json(args.out, {"meta": {"kind": "floors", "date": time.strftime("%Y-%m-%d %H:%M:%S"),

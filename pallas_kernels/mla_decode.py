@@ -33,7 +33,8 @@ cache, 1152 B per token per sequence).
    scoring half of them once (S^T [64 tokens, 24 heads], softmax down the token axis), the two
    swapping p^T and the rescale factors through SMEM once a tile, then each accumulating
    O^T [C/2, 48] += latent[:, half].T @ p^T: the useful MMA work only (13.4 MFLOP a tile), for
-   more SMEM reads per MMA clock (N = 24 / 48).
+   more SMEM reads per MMA clock (N = 24 / 48): bound by SMEM, its ceiling is 83.5% of the byte
+   roofline against heads_m's 62% (benchmarks/floors.py, `mla_tensor_ceilings`).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a

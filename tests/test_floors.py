@@ -58,6 +58,14 @@ def test_mla_tensor_ceilings_at_k3_shapes():
     # At the H200's spec peak the kernel's schedule cannot reach 70% of the byte roofline; the others can.
     assert kernel["max_frac_roofline"] < 0.7 < seesaw["max_frac_roofline"] <= unpadded["max_frac_roofline"] == 1.0
     assert kernel["efficiency_for_70pct"] > 1 > seesaw["efficiency_for_70pct"] > unpadded["efficiency_for_70pct"]
+    # SMEM operand bytes a tile: heads_m 2 groups x 2 consumers x (q block + latent tile + C half);
+    # heads_n 2 groups x 2 consumers x (latent tile + 24 q rows + C half + p^T per M group).
+    assert kernel["smem_operand_bytes_per_tile"] == 2 * 2 * (64 * 576 + 64 * 576 + 64 * 256) * 2
+    assert unpadded["smem_operand_bytes_per_tile"] == 2 * 2 * (64 * 576 + 24 * 576 + 256 * 64 + 4 * 64 * 48) * 2
+    # heads_m is bound by its MMAs (62%), heads_n by its SMEM reads, at a higher ceiling (83.5%).
+    assert kernel["max_frac_roofline_both"] == kernel["max_frac_roofline"] < kernel["max_frac_roofline_smem"]
+    assert unpadded["max_frac_roofline_both"] == unpadded["max_frac_roofline_smem"] < unpadded["max_frac_roofline"]
+    assert 0.8 < unpadded["max_frac_roofline_both"] < 0.85 and kernel["max_frac_roofline_both"] < 0.65
 
 
 def test_writes_json_and_names_bad_input(tmp_path, capsys, monkeypatch):
