@@ -59,32 +59,35 @@ SMEM_BYTES_PER_PEAK_FLOP = 128 / 4096
 
 def mla_tensor_ceilings(heads: int, latent: int, rope: int, device: str = "NVIDIA H200") -> list[dict]:
     """Per schedule of MLA's absorbed decode attention (pallas_kernels.mla_decode), over one cached
-    tile of BLOCK_L tokens: the matrix-product FLOPs it executes and the bytes its wgmmas read from
-    SMEM as operands, and, with the tensor cores (or SMEM) at their spec peak and perfectly
+    tile of BLOCK_L tokens: the matrix-product FLOPs it executes and the SMEM bytes its wgmma
+    operands take, and, with the tensor cores (or SMEM) at their spec peak and perfectly
     overlapped with the tile's read at the measured copy rate, the largest share of the byte
     roofline each allows (`max_frac_roofline`: tensor cores; `_smem`: SMEM; `_both`: the lower),
     and the tensor-core efficiency 70% needs. Scores take 2 L (C + R) FLOPs per head, the
     weighted sum 2 L C. Schedules: "heads_m" (heads are wgmma's M side in padded groups of BLOCK_H,
     both consumers score every head, p from registers), the seesaw (session 22's patch: scored
-    once), "heads_n" (groups of HEADS_N on the N side, HEADS_N / 2 scored per consumer, the latent
-    tile the A operand of both products, p^T the B operand of each C half's four M groups). SMEM
-    bytes count the wgmma operands only (not p's or the softmax's own SMEM traffic)."""
+    once), "heads_n" (the scores with groups of HEADS_N heads on the N side, HEADS_N / 2 scored
+    per consumer; p [heads padded to BLOCK_H, tokens] read back from SMEM into registers for the
+    PV of each C half), and heads_n's first form (`benchmarks/results/ab/mla-heads-n-pT-operand-
+    20261205-s31.patch`: the PV on the N side too, p^T the B operand of each C half's M groups)."""
     tile, md = mla_decode.BLOCK_L, mla_decode
     padded = -(-heads // md.BLOCK_H) * md.BLOCK_H
     scores, weighted_sum = 2 * tile * (latent + rope), 2 * tile * latent
     k_bytes, v_half_bytes = tile * (latent + rope) * 2, tile * latent // 2 * 2
     q_block = md.BLOCK_H * (latent + rope) * 2
     groups_m, groups_n = padded // md.BLOCK_H, -(-heads // md.HEADS_N)
-    scored = md.HEADS_N // 2
-    heads_n_consumer = (k_bytes + scored * (latent + rope) * 2                        # scores: latent tile + q rows
-                        + v_half_bytes + (latent // 2 // 64) * tile * md.HEADS_N * 2)  # C half of latent + p^T per M group
+    scores_n = k_bytes + md.HEADS_N // 2 * (latent + rope) * 2         # latent tile + a consumer's q rows
     schedules = {
         "padded heads, scores in both consumers (heads_m)":
             (padded * (2 * scores + weighted_sum), groups_m * 2 * (q_block + k_bytes + v_half_bytes)),
         "padded heads, scores once (seesaw)":
             (padded * (scores + weighted_sum), groups_m * (q_block + k_bytes + 2 * v_half_bytes)),
-        "unpadded heads, scores once (heads_n)":
-            (heads * (scores + weighted_sum), groups_n * 2 * heads_n_consumer),
+        "unpadded scores once, padded PV from registers (heads_n)":
+            (heads * scores + groups_n * md.BLOCK_H * weighted_sum,
+             groups_n * 2 * (scores_n + md.BLOCK_H * tile * 2 + v_half_bytes)),
+        "unpadded heads, scores once, PV on N (heads_n's p^T patch)":
+            (heads * (scores + weighted_sum),
+             groups_n * 2 * (scores_n + v_half_bytes + (latent // 2 // 64) * tile * md.HEADS_N * 2)),
     }
     read_s = tile * (latent + rope) * 2 / costs.MEASURED_COPY_BANDWIDTH[device]
     rows = []

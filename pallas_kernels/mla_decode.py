@@ -28,13 +28,13 @@ cache, 1152 B per token per sequence).
    consumer scoring for both (session 7), split scores (session 20), FlashAttention-3's
    ping-pong (session 19), FlashMLA's seesaw (session 22; patches in benchmarks/results/ab/) -
    and why: docs/pallas.md (mla_decode's design notes, "Not done yet") and BENCHMARKS.md.
-   `schedule="heads_n"` (`_attend_heads_n`, session 31, not yet timed on a GPU) puts the heads on
-   the wgmma's N side instead: groups of HEADS_N = 48 (K3's 96 heads: no padding), each consumer
-   scoring half of them once (S^T [64 tokens, 24 heads], softmax down the token axis), the two
-   swapping p^T and the rescale factors through SMEM once a tile, then each accumulating
-   O^T [C/2, 48] += latent[:, half].T @ p^T: the useful MMA work only (13.4 MFLOP a tile), for
-   more SMEM reads per MMA clock (N = 24 / 48): bound by SMEM, its ceiling is 83.5% of the byte
-   roofline against heads_m's 62% (benchmarks/floors.py, `mla_tensor_ceilings`).
+   `schedule="heads_n"` (`_attend_heads_n`, session 31, not yet timed on a GPU) scores with the
+   heads on the wgmma's N side instead: groups of HEADS_N = 48 (K3's 96 heads: no padding), each
+   consumer scoring half of them once (S^T [64 tokens, 24 heads], softmax down the token axis),
+   the two swapping their rows of p and the rescale factors through SMEM once a tile; then each
+   loads the group's p into registers and accumulates its C half as heads_m does. 15.5 MFLOP a
+   tile instead of 27.3, for more SMEM reads per MMA clock (N = 24): bound by SMEM, its ceiling
+   is 93% of the byte roofline against heads_m's 62% (benchmarks/floors.py, `mla_tensor_ceilings`).
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
@@ -387,20 +387,24 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
 
 
 def _attend_heads_n(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
-    """The "heads_n" schedule (`_flash_decode`'s contract, Hq % HEADS_N == 0): heads on the wgmma's
-    N side, so none is padded to 64 and each tile is scored once. Consumer w scores heads
-    w * HEADS_N / 2 .. of its group (S^T [64 tokens, HEADS_N / 2] = latent tile @ q.T + k_rope
-    tile @ q_rope.T), runs their online softmax down the token axis and puts p^T and the rescale
-    factors in SMEM; once both have (one two-way barrier a tile), each accumulates O^T[C half w,
-    the group's heads] += latent[:, half w].T @ p^T (M = C / 2, N = HEADS_N, K = 64)."""
+    """The "heads_n" schedule (`_flash_decode`'s contract, Hq % HEADS_N == 0): the scores with the
+    heads on the wgmma's N side, so none is scored padded and each tile is scored once. Consumer w
+    scores heads w * HEADS_N / 2 .. of its group (S^T [64 tokens, HEADS_N / 2] = latent tile @
+    q.T + k_rope tile @ q_rope.T), runs their online softmax down the token axis and puts its
+    rows of p [heads, tokens] and the rescale factors in SMEM; once both have (one two-way
+    barrier a tile), each loads the group's p into registers and accumulates its C half of o as
+    heads_m does (O [BLOCK_H, C/2] += p @ latent[:, half], the heads past HEADS_N padding rows
+    that are never stored)."""
     half, scored = q_lat.shape[-1] // 2, HEADS_N // 2
-    heads_col = plgpu.Layout.WGMMA.reduce(0)       # a vector along the heads (N) of a WGMMA array
+    heads_col = plgpu.Layout.WGMMA.reduce(0)       # a vector along the heads (N) of the scores
+    heads_row = plgpu.Layout.WGMMA.reduce(1)       # a vector along the heads (M) of o
+    interpret = mgpu.interpret_params()
 
     def consumer(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
         mine = pl.ds(blk.wg * scored, scored)       # the heads this consumer scores
 
         def step(t, carry):
-            acc, m_i, l_i = carry               # O^T [C/2, HEADS_N]; m, l of its scored heads
+            acc, m_i, l_i = carry               # O [BLOCK_H, C/2]; m, l of its scored heads
             slot, buf = t % STAGES, t % 2
             blk.wait_tile(slot)
 
@@ -413,40 +417,44 @@ def _attend_heads_n(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits:
             pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_L, scored), 0, layout=plgpu.Layout.WGMMA)
             s = jnp.where(pos + t * BLOCK_L < blk.valid, s, MASKED)
             p, m_new, alpha, l_i = _online_softmax(s, m_i, l_i, token_axis=0)
-            # Hand p^T and alpha of its heads to both consumers' PV. Buffer t % 2: the other
+            # Hand p and alpha of its heads to both consumers' PV. Buffer t % 2: the other
             # consumer's PV of tile t - 2 finished before it arrived at tile t - 1's barrier.
             p_smem.at[buf, mine].transpose((1, 0))[...] = p.astype(p_smem.dtype)
             alpha_smem.at[buf, mine][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(swap_bar.at[buf])
             plgpu.barrier_wait(swap_bar.at[buf])
-            alpha_all = plgpu.load(alpha_smem.at[buf], layout=heads_col, optimized=False)
-            acc = acc * jax.lax.broadcast_in_dim(alpha_all, acc.shape, [1])
-            acc = _accumulate(acc, blk.lat.at[slot, blk.wg].transpose((1, 0)), p_smem.at[buf].transpose((1, 0)))
+            alpha_all = plgpu.load(alpha_smem.at[buf], layout=heads_row, optimized=False)
+            acc = acc * jax.lax.broadcast_in_dim(alpha_all, acc.shape, [0])
+            # p from registers, as heads_m's (the interpreter has no register A operand).
+            p_all = p_smem.at[buf] if interpret is not None else plgpu.load(p_smem.at[buf], layout=plgpu.Layout.WGMMA)
+            acc = _accumulate(acc, p_all, blk.lat.at[slot, blk.wg])
             blk.free_tile(slot)
             return acc, m_new, l_i
 
-        init = (plgpu.layout_cast(jnp.zeros((half, HEADS_N), f32), plgpu.Layout.WGMMA),
+        init = (plgpu.layout_cast(jnp.zeros((BLOCK_H, half), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((scored,), MASKED, f32), heads_col),
                 plgpu.layout_cast(jnp.zeros((scored,), f32), heads_col))
         acc, m_i, l_i = jax.lax.fori_loop(0, blk.live, step, init)
 
         # Each consumer knows (m, l) of its scored heads and needs l of all: swap them, then
-        # stage o^T's half in q's SMEM (both consumers are past every tile's scores).
+        # stage o's half as heads_m does (both consumers are past every tile).
         ml_smem.at[0, mine][...] = m_i
         ml_smem.at[1, mine][...] = l_i
         plgpu.commit_smem()
         plgpu.barrier_arrive(done_bar)
         plgpu.barrier_wait(done_bar)
         # A split past kv_len scored nothing: l = 0, o = 0 (its m = MASKED gives it weight 0).
-        l_pos = jnp.maximum(plgpu.load(ml_smem.at[1], layout=heads_col, optimized=False), 1e-30)
-        o_smem = blk.ql.at[blk.wg]
-        o_smem.transpose((1, 0))[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [1])).astype(o_smem.dtype)
-        _store_split(blk, o_smem, ml_smem)
+        l_pos = jnp.maximum(plgpu.load(ml_smem.at[1], layout=heads_row, optimized=False), 1e-30)
+        o_smem = blk.lat.at[0, blk.wg]
+        o_smem[...] = (acc / jax.lax.broadcast_in_dim(l_pos, acc.shape, [0])).astype(o_smem.dtype)
+        _store_split(blk, o_smem.at[pl.ds(0, HEADS_N)], ml_smem.at[:, pl.ds(0, HEADS_N)])
 
-    scratch = [plgpu.SMEM((2, HEADS_N, BLOCK_L), latent.dtype, transforms=_tf(64)),    # p^T, two tiles
-               plgpu.SMEM((2, HEADS_N), f32),                                           # alpha, two tiles
-               plgpu.SMEM((2, HEADS_N), f32),                                           # final (m, l)
+    # Rows HEADS_N.. of p, alpha and (m, l) pad the PV's M side: never written, they only reach
+    # o's padding rows, which are not stored.
+    scratch = [plgpu.SMEM((2, BLOCK_H, BLOCK_L), latent.dtype, transforms=_tf(64)),    # p, two tiles
+               plgpu.SMEM((2, BLOCK_H), f32),                                           # alpha, two tiles
+               plgpu.SMEM((2, BLOCK_H), f32),                                           # final (m, l)
                plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)]
     return _flash_decode(consumer, "mla_attend_heads_n", q_lat, q_rope, latent, k_rope, kv_len, splits, HEADS_N,
                          scratch)

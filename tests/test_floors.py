@@ -51,21 +51,27 @@ def test_rows_cover_every_measurement():
 
 
 def test_mla_tensor_ceilings_at_k3_shapes():
-    kernel, seesaw, unpadded = floors.mla_tensor_ceilings(heads=96, latent=512, rope=64)
+    kernel, seesaw, heads_n, unpadded = floors.mla_tensor_ceilings(heads=96, latent=512, rope=64)
     # 96 heads padded to 128, scores in both consumers: 2.04x the useful MMA work (mla_decode's doc).
     assert kernel["mma_flops_per_tile"] / unpadded["mma_flops_per_tile"] == 2 * (2 * 576 + 512) / (96 / 64 * 1088)
     assert unpadded["mma_flops_per_tile"] == 2 * 64 * 96 * (576 + 512)
+    # heads_n: unpadded scores, the weighted sum over 2 groups of 64 rows.
+    assert heads_n["mma_flops_per_tile"] == 2 * 64 * (96 * 576 + 128 * 512)
     # At the H200's spec peak the kernel's schedule cannot reach 70% of the byte roofline; the others can.
     assert kernel["max_frac_roofline"] < 0.7 < seesaw["max_frac_roofline"] <= unpadded["max_frac_roofline"] == 1.0
     assert kernel["efficiency_for_70pct"] > 1 > seesaw["efficiency_for_70pct"] > unpadded["efficiency_for_70pct"]
-    # SMEM operand bytes a tile: heads_m 2 groups x 2 consumers x (q block + latent tile + C half);
-    # heads_n 2 groups x 2 consumers x (latent tile + 24 q rows + C half + p^T per M group).
+    # SMEM operand bytes a tile, 2 groups x 2 consumers x: heads_m q block + latent tile + C half;
+    # heads_n latent tile + 24 q rows + p [64, 64] + C half; its p^T form latent tile + 24 q rows
+    # + C half + p^T per M group.
     assert kernel["smem_operand_bytes_per_tile"] == 2 * 2 * (64 * 576 + 64 * 576 + 64 * 256) * 2
+    assert heads_n["smem_operand_bytes_per_tile"] == 2 * 2 * (64 * 576 + 24 * 576 + 64 * 64 + 64 * 256) * 2
     assert unpadded["smem_operand_bytes_per_tile"] == 2 * 2 * (64 * 576 + 24 * 576 + 256 * 64 + 4 * 64 * 48) * 2
-    # heads_m is bound by its MMAs (62%), heads_n by its SMEM reads, at a higher ceiling (83.5%).
+    # heads_m is bound by its MMAs (62%), both heads_n forms by their SMEM reads, higher (93%, 83.5%).
     assert kernel["max_frac_roofline_both"] == kernel["max_frac_roofline"] < kernel["max_frac_roofline_smem"]
-    assert unpadded["max_frac_roofline_both"] == unpadded["max_frac_roofline_smem"] < unpadded["max_frac_roofline"]
-    assert 0.8 < unpadded["max_frac_roofline_both"] < 0.85 and kernel["max_frac_roofline_both"] < 0.65
+    for form in (heads_n, unpadded):
+        assert form["max_frac_roofline_both"] == form["max_frac_roofline_smem"] < form["max_frac_roofline"]
+    assert kernel["max_frac_roofline_both"] < 0.65 and 0.8 < unpadded["max_frac_roofline_both"] < 0.85
+    assert 0.9 < heads_n["max_frac_roofline_both"] < 0.95
 
 
 def test_writes_json_and_names_bad_input(tmp_path, capsys, monkeypatch):
@@ -75,8 +81,9 @@ def test_writes_json_and_names_bad_input(tmp_path, capsys, monkeypatch):
     assert floors.main(["--batches", "2", "--rounds", "1", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["preset"] == "k3-h200"
-    assert [r["name"].split(":")[0] for r in data["rows"][:3]] == ["mla_tensor_ceiling"] * 3
-    assert data["rows"][3:] == [{"name": "x", "b": [2], "h": 96, "d": 128, "w": [1]}]
+    ceilings = len(floors.mla_tensor_ceilings(96, 512, 64))
+    assert [r["name"].split(":")[0] for r in data["rows"][:ceilings]] == ["mla_tensor_ceiling"] * ceilings
+    assert data["rows"][ceilings:] == [{"name": "x", "b": [2], "h": 96, "d": 128, "w": [1]}]
     assert floors.main(["--batches", "1,x"]) == 2
     assert "--batches must be comma-separated integers" in capsys.readouterr().err
     assert floors.main(["--preset", "nope"]) == 2
