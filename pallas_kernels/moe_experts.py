@@ -621,10 +621,10 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     n_pad = max(8, -(-n // 8) * 8)
     slots = min(n_exp, n * k)
     uniq, coef = ops.expert_dispatch(ids, weights, n_exp, slots)
-    if n == 1 and slots == k:
-        # One token: uniq is its ids in choice order (expert_dispatch), so slot j's coefficient is
-        # routing weight j, a scalar the kernel reads itself - no XLA launch for the padded
-        # matrix (an id >= E is a padding slot the kernel skips: its weight is never read).
+    if ops.dispatch_in_choice_order(ids, slots):
+        # Slot j's coefficient is routing weight j, a scalar the kernel reads itself - no XLA
+        # launch for the padded matrix (an id >= E is a padding slot the kernel skips: its
+        # weight is never read).
         coef = weights[0].astype(jnp.float32)
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
