@@ -38,6 +38,13 @@ def _available(op: str, impl: str) -> Callable | None:
     return registry.implementation(op, impl)
 
 
+def implementations(op: str) -> list[str]:
+    """The implementation names `op` has here: "xla", then each registered kernel (a backend's, or a
+    named variant of one such as mla_decode's "pallas_heads_n", for ablations)."""
+    from pallas_kernels import registry
+    return ["xla", *registry.implementations(op)]
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
     """An implementation name per op; hashable, so it can be a static attribute under jit."""
@@ -57,8 +64,8 @@ class KernelPlan:
         if unknown:
             raise ValueError(f"unknown op(s) {sorted(unknown)}; ops are {', '.join(REFERENCES)}")
         for op, wanted in overrides.items():
-            if wanted not in BACKENDS or _available(op, wanted) is None:
-                raise ValueError(f"op {op!r} has no {wanted!r} implementation")
+            if _available(op, wanted) is None:
+                raise ValueError(f"op {op!r} has no {wanted!r} implementation; it has {', '.join(implementations(op))}")
         return dataclasses.replace(self, choices=tuple((op, overrides.get(op, impl)) for op, impl in self.choices))
 
     def __call__(self, op: str) -> Callable:

@@ -53,6 +53,7 @@ inside the 2^-6 tolerance (`tolerance`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -534,6 +535,9 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits:
 
 
 registry.register("mla_decode", "pallas", mla_decode)
+# The other schedule as an implementation of its own, so whole-step ablations can pick it
+# (`KernelPlan.for_backend("pallas", mla_decode="pallas_heads_n")`, `bench --ablate`).
+registry.register("mla_decode", "pallas_heads_n", functools.partial(mla_decode, schedule="heads_n"))
 
 # ------------------------------------------------------------------ validation / benchmark spec
 K3 = {"h": 96, "n": 128, "r": 64, "c": 512, "v": 128}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from k3jax import ops, validate
+from k3jax.backend import KernelPlan
 from pallas_kernels import mgpu, registry
 from pallas_kernels import mla_decode as mla
 
@@ -65,6 +66,19 @@ def test_unknown_schedule_is_named():
     args = mla._make(1, 8, 32, 64, 128, 32, 128)(jax.random.key(0))
     with pytest.raises(ValueError, match="schedule='heads_k'; choose one of"):
         mla.mla_decode(*args, 0.1, schedule="heads_k")
+
+
+def test_heads_n_is_a_whole_step_ablation():
+    """KernelPlan / `bench --ablate` name the heads_n schedule as an implementation of its own,
+    "pallas_heads_n", whose call lowers that schedule's kernel; a name the op lacks lists those it has."""
+    plan = KernelPlan.for_backend("pallas", mla_decode="pallas_heads_n")
+    assert plan.describe()["mla_decode"] == "pallas_heads_n"
+    avals = jax.eval_shape(mla._make(1, *mla.K3.values(), 1024), jax.random.key(0))
+    with mgpu.compile_for_gpu():
+        exported = jax.export.export(jax.jit(lambda *a: plan("mla_decode")(*a, 0.1)), platforms=["cuda"])(*avals)
+    assert "mla_attend_heads_n" in exported.mlir_module()
+    with pytest.raises(ValueError, match="no 'pallas_x' implementation; it has xla, pallas, pallas_heads_n"):
+        KernelPlan.for_backend("pallas", mla_decode="pallas_x")
 
 
 def test_splits_that_do_not_divide_the_tiles_are_named():
