@@ -179,8 +179,7 @@ class MLAttention(nnx.Module):
         scale = cfg.qk_head_dim ** -0.5
         w_kv_b = self.kv_b_proj.weight[...]
         if t == 1:
-            o = plan("mla_decode")(q[:, 0, :, :n], q[:, 0, :, n:], cache[..., :c], cache[..., c:], w_kv_b,
-                                   lengths + 1, scale)[:, None]
+            o = plan("mla_decode")(q[:, 0, :, :n], q[:, 0, :, n:], cache, w_kv_b, lengths + 1, scale)[:, None]
         else:
             mask = jnp.arange(cache.shape[1])[None, None, :] <= pos[:, :, None]      # [B, T, L]
             o = ops.mla_attention_expanded(q[..., :n], q[..., n:], cache[..., :c], cache[..., c:], w_kv_b,

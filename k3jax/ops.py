@@ -281,14 +281,28 @@ def mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w_kv_b, mask, scale):
     return mla_expand_output(o_lat, w_kv_b, q_nope.shape[-1], q_nope.dtype)
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale):
+def mla_cache_columns(cache, w_kv_b, q_rope) -> tuple[int, int]:
+    """(C, R): the latent and shared key widths of an MLA cache [B, L, C + R] read with w_kv_b
+    [H*(N+V), C] and q_rope [B, H, R]; a ValueError naming the three shapes when they disagree."""
+    c, r = w_kv_b.shape[-1], q_rope.shape[-1]
+    if cache.shape[-1] != c + r:
+        raise ValueError(f"mla_decode: cache {list(cache.shape)} has {cache.shape[-1]} columns a token, but "
+                         f"w_kv_b {list(w_kv_b.shape)} and q_rope {list(q_rope.shape)} make {c} + {r}")
+    return c, r
+
+
+def mla_decode(q_nope, q_rope, cache, w_kv_b, kv_len, scale):
     """Absorbed MLA for one new token per sequence over the first kv_len[b] cache entries.
 
-    q_nope [B, H, N], q_rope [B, H, R]; latent [B, L, C]; k_rope [B, L, R]; kv_len [B] int.
-    Returns [B, H, V] in q's dtype.
+    q_nope [B, H, N], q_rope [B, H, R]; cache [B, L, C + R] as k3jax.cache holds it (the latent,
+    then the shared key dims; C = w_kv_b's columns); w_kv_b [H*(N+V), C]; kv_len [B] int.
+    Returns [B, H, V] in q's dtype. The cache is taken whole so that a kernel reads both parts in
+    place: two sliced views passed to a custom call are two copies of the cache.
     """
-    mask = (jnp.arange(latent.shape[1])[None, :] < kv_len[:, None])[:, None, :]     # [B, 1, L]
-    return mla_attention_absorbed(q_nope[:, None], q_rope[:, None], latent, k_rope, w_kv_b, mask, scale)[:, 0]
+    c, _ = mla_cache_columns(cache, w_kv_b, q_rope)
+    mask = (jnp.arange(cache.shape[1])[None, :] < kv_len[:, None])[:, None, :]       # [B, 1, L]
+    return mla_attention_absorbed(q_nope[:, None], q_rope[:, None], cache[..., :c], cache[..., c:], w_kv_b,
+                                  mask, scale)[:, 0]
 
 
 # ------------------------------------------------------------------ MoE routing

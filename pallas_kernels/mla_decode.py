@@ -1,7 +1,10 @@
 """Absorbed MLA decode attention over the latent cache, split over the sequence.
 
-    q_nope [B, H, N], q_rope [B, H, R], latent [B, L, C], k_rope [B, L, R], w_kv_b [H*(N+V), C],
-    kv_len [B] int32 (device value, per step), scale -> [B, H, V] in q's dtype (k3jax.ops.mla_decode)
+    q_nope [B, H, N], q_rope [B, H, R], cache [B, L, C + R] (the latent, then the shared key dims),
+    w_kv_b [H*(N+V), C], kv_len [B] int32 (device value, per step), scale -> [B, H, V] in q's dtype
+    (k3jax.ops.mla_decode). The attention kernel's TMA reads both parts of each cached row in
+    place (before session 32 the op took two sliced views, which XLA copied out of the cache every
+    step: 1.2 MB a layer read and written at 1k tokens, 38 MB at 32k, batch 1).
 
 Three Mosaic GPU kernels and one small XLA fusion; the op reads w_kv_b (24 MB at K3) once and
 the cache rows once, and those two reads are its cost (short contexts: the weights; long: the
@@ -85,11 +88,11 @@ def _tf(minor: int):
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
-def covers(latent_shape, k_rope_shape, dtype) -> bool:
-    """Whether the attention kernel handles these shapes/dtype (else `mla_decode` runs the
-    reference). The absorption and expansion kernels have their own conditions
-    (`_absorb_covers`, `_expand_covers`); outside them the reference's einsum runs."""
-    c, r, length = latent_shape[-1], k_rope_shape[-1], latent_shape[1]
+def covers(c: int, r: int, length: int, dtype) -> bool:
+    """Whether the attention kernel handles a cache of `length` tokens of C latent and R shared key
+    columns in `dtype` (else `mla_decode` runs the reference). The absorption and expansion kernels
+    have their own conditions (`_absorb_covers`, `_expand_covers`); outside them the reference's
+    einsum runs."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and c % 128 == 0 and c // 2 <= 256 and r % 64 == 0
             and length % BLOCK_L == 0 and r <= 256)
 
@@ -203,17 +206,17 @@ def _accumulate(acc, a, b):
     return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, f32))
 
 
-def _stream_cache(lat_gmem, kr_gmem, lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps: int):
+def _stream_cache(cache_gmem, lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps: int):
     """The attention block's producer loop: TMA of the split's `live` cache tiles of one sequence
-    (latent [L, C] in two C halves + k_rope [L, R]), tile t into ring slot t % STAGES once both
-    consumers freed it."""
-    half = lat_smem.shape[-1]
+    (cache_gmem [L, C + R]: its latent columns in two C halves, then its R shared key columns),
+    tile t into ring slot t % STAGES once both consumers freed it."""
+    half, r = lat_smem.shape[-1], kr_smem.shape[-1]
 
     def load(t, slot):
         for j in range(2):
-            plgpu.copy_gmem_to_smem(lat_gmem.at[toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
+            plgpu.copy_gmem_to_smem(cache_gmem.at[toks(t), pl.ds(j * half, half)], lat_smem.at[slot, j],
                                     lat_bar.at[2 * slot + j])
-        plgpu.copy_gmem_to_smem(kr_gmem.at[toks(t)], kr_smem.at[slot], kr_bar.at[slot])
+        plgpu.copy_gmem_to_smem(cache_gmem.at[toks(t), pl.ds(2 * half, r)], kr_smem.at[slot], kr_bar.at[slot])
     for t in range(min(STAGES, steps)):
         @pl.when(t < live)
         def _(t=t):
@@ -261,22 +264,22 @@ def _store_split(blk: _Block, o_smem, ml_smem) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _flash_decode(consumer, name: str, q_lat, q_rope, latent, k_rope, kv_len, splits: int, block_heads: int,
+def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int, block_heads: int,
                   scratch: list):
     """The attention kernel of both schedules: grid (group of `block_heads` heads, batch, split),
     three warpgroups - `_stream_cache` as the producer, and consumer(blk: _Block, *scratch refs)
     in warpgroups 0 and 1 once the group's q is in SMEM. q_lat [Bq, Hq, C], q_rope [Bq, Hq, R]
-    bf16 (Hq % block_heads == 0, Bq >= B) -> o [S, B, Hq, C] bf16 (per split: sum_t 2^(s_t - m)
+    bf16 (Hq % block_heads == 0, Bq >= B), cache [B, L, C + R] -> o [S, B, Hq, C] bf16 (per split: sum_t 2^(s_t - m)
     latent_t / l), m, l [S, B, Hq] float32 (the split's max score, base 2, and sum_t 2^(s_t - m))."""
     hq, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
-    b, length = latent.shape[:2]
+    b, length = cache.shape[:2]
     per = length // splits
     steps = per // BLOCK_L
     half = c // 2
     tf = _tf(64)
 
-    def body(ql_gmem, qr_gmem, lat_gmem, kr_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
+    def body(ql_gmem, qr_gmem, cache_gmem, len_gmem, o_gmem, m_gmem, l_gmem,
              ql_smem, qr_smem, lat_smem, kr_smem, q_bar, lat_bar, kr_bar, free_bar, *extra):
         # C halves are separate SMEM arrays (index 0/1 = half): a TMA store needs a contiguous
         # source, and each consumer stages its o half in one.
@@ -293,7 +296,7 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, latent, k_rope, kv_len, sp
             for j in range(2):
                 plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
             plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
-            _stream_cache(lat_gmem.at[bi], kr_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
+            _stream_cache(cache_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -312,23 +315,23 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, latent, k_rope, kv_len, sp
 
     return plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((splits, b, hq, c), latent.dtype), jax.ShapeDtypeStruct((splits, b, hq), f32),
+        out_type=(jax.ShapeDtypeStruct((splits, b, hq, c), cache.dtype), jax.ShapeDtypeStruct((splits, b, hq), f32),
                   jax.ShapeDtypeStruct((splits, b, hq), f32)),
         scratch_types=[
             plgpu.SMEM((2, block_heads, half), q_lat.dtype, transforms=tf),
             plgpu.SMEM((block_heads, r), q_rope.dtype, transforms=tf),
-            plgpu.SMEM((STAGES, 2, BLOCK_L, half), latent.dtype, transforms=tf),
-            plgpu.SMEM((STAGES, BLOCK_L, r), k_rope.dtype, transforms=tf),
+            plgpu.SMEM((STAGES, 2, BLOCK_L, half), cache.dtype, transforms=tf),
+            plgpu.SMEM((STAGES, BLOCK_L, r), cache.dtype, transforms=tf),
             plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=2 * STAGES), plgpu.Barrier(num_barriers=STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
         ] + scratch,
         grid=(hq // block_heads, b, splits), grid_names=("g", "b", "s"),
         num_threads=3, thread_name="wg", kernel_name=name,
         interpret=mgpu.interpret_params(),
-    )(q_lat, q_rope, latent, k_rope, kv_len)
+    )(q_lat, q_rope, cache, kv_len)
 
 
-def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
+def _attend(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
     """The "heads_m" schedule (`_flash_decode`'s contract, Hq % BLOCK_H == 0): heads are the wgmma's
     M side in groups of BLOCK_H; both consumers score the group's heads against every tile
     ([64 heads, 64 tokens]), each accumulating its C half of o (p from registers as the A operand)."""
@@ -381,13 +384,13 @@ def _attend(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
 
     scratch = [plgpu.SMEM((2, BLOCK_H), f32),
                # p in SMEM: staging in interpret mode only (compiled, p stays in registers).
-               plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), latent.dtype,
+               plgpu.SMEM((2, BLOCK_H, BLOCK_L) if interpret is not None else (2, 8, 64), cache.dtype,
                           transforms=_tf(64)),
                plgpu.Barrier(num_arrivals=2)]
-    return _flash_decode(consumer, "mla_attend", q_lat, q_rope, latent, k_rope, kv_len, splits, BLOCK_H, scratch)
+    return _flash_decode(consumer, "mla_attend", q_lat, q_rope, cache, kv_len, splits, BLOCK_H, scratch)
 
 
-def _attend_heads_n(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits: int):
+def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
     """The "heads_n" schedule (`_flash_decode`'s contract, Hq % HEADS_N == 0): the scores with the
     heads on the wgmma's N side, so none is scored padded and each tile is scored once. Consumer w
     scores heads w * HEADS_N / 2 .. of its group (S^T [64 tokens, HEADS_N / 2] = latent tile @
@@ -453,11 +456,11 @@ def _attend_heads_n(q_lat, q_rope, latent, k_rope, kv_len, scale: float, splits:
 
     # Rows HEADS_N.. of p, alpha and (m, l) pad the PV's M side: never written, they only reach
     # o's padding rows, which are not stored.
-    scratch = [plgpu.SMEM((2, BLOCK_H, BLOCK_L), latent.dtype, transforms=_tf(64)),    # p, two tiles
+    scratch = [plgpu.SMEM((2, BLOCK_H, BLOCK_L), cache.dtype, transforms=_tf(64)),     # p, two tiles
                plgpu.SMEM((2, BLOCK_H), f32),                                           # alpha, two tiles
                plgpu.SMEM((2, BLOCK_H), f32),                                           # final (m, l)
                plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)]
-    return _flash_decode(consumer, "mla_attend_heads_n", q_lat, q_rope, latent, k_rope, kv_len, splits, HEADS_N,
+    return _flash_decode(consumer, "mla_attend_heads_n", q_lat, q_rope, cache, kv_len, splits, HEADS_N,
                          scratch)
 
 
@@ -496,18 +499,18 @@ def _combine(o, m, l):
     return (wgt[..., None] * o.astype(f32)).sum(0) / wgt.sum(0)[..., None]
 
 
-def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits: int | None = None,
+def mla_decode(q_nope, q_rope, cache, w_kv_b, kv_len, scale, *, splits: int | None = None,
                schedule: str = "heads_m"):
     """Same contract as k3jax.ops.mla_decode: -> [B, H, V] in q's dtype. Ablation knobs: splits of
     the sequence in the attention kernel (default `plan`'s; must divide its 64-token tiles), and its
     schedule (one of SCHEDULES: `_attend`, `_attend_heads_n`)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode: schedule={schedule!r}; choose one of {tuple(SCHEDULES)}")
-    if not covers(latent.shape, k_rope.shape, q_nope.dtype) or latent.dtype != q_nope.dtype:
-        why = f"latent {latent.dtype}{list(latent.shape)}, k_rope {list(k_rope.shape)}, q {q_nope.dtype} not covered"
-        return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale)
     b, h, n = q_nope.shape
-    c = latent.shape[-1]
+    c, r = ops.mla_cache_columns(cache, w_kv_b, q_rope)
+    if not covers(c, r, cache.shape[1], q_nope.dtype) or cache.dtype != q_nope.dtype:
+        why = f"cache {cache.dtype}{list(cache.shape)} (C = {c}, R = {r}), q {q_nope.dtype} not covered"
+        return registry.fallback("mla_decode", "pallas", why)(q_nope, q_rope, cache, w_kv_b, kv_len, scale)
     v = w_kv_b.shape[0] // h - n
     attend, block_heads = SCHEDULES[schedule]
     hp = -(-h // block_heads) * block_heads
@@ -518,18 +521,18 @@ def mla_decode(q_nope, q_rope, latent, k_rope, w_kv_b, kv_len, scale, *, splits:
         q_lat, qr = _absorb(jnp.pad(q_nope, pad), jnp.pad(q_rope, pad), w_kv_b, hp)
     else:
         pad = ((0, 0), (0, hp - h), (0, 0))
-        q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(latent.dtype), pad)
+        q_lat = jnp.pad(ops.mla_absorb_query(q_nope, w_kv_b).astype(cache.dtype), pad)
         qr = jnp.pad(q_rope, pad)
-    tiles = latent.shape[1] // BLOCK_L
+    tiles = cache.shape[1] // BLOCK_L
     if splits is None:
-        splits = plan(b, h, latent.shape[1], c, k_rope.shape[-1], mgpu.num_sms(), block_heads)
+        splits = plan(b, h, cache.shape[1], c, r, mgpu.num_sms(), block_heads)
     elif splits < 1 or tiles % splits:
         raise ValueError(f"mla_decode: splits={splits} does not divide the cache's {tiles} tiles of {BLOCK_L} tokens")
-    o, m, l = attend(q_lat, qr, latent, k_rope, kv_len.astype(jnp.int32), scale, splits)
+    o, m, l = attend(q_lat, qr, cache, kv_len.astype(jnp.int32), scale, splits)
     o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):
-        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(latent.dtype), ((0, 0), (0, bn - b), (0, 0)))
+        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(cache.dtype), ((0, 0), (0, bn - b), (0, 0)))
         return _expand(o_t, w_kv_b, n).transpose(2, 0, 1)[:b].astype(q_nope.dtype)
     return ops.mla_expand_output(o_lat, w_kv_b, n, q_nope.dtype)
 
@@ -547,15 +550,14 @@ BENCH_BATCHES = (1, 8, 32, 128)
 
 def _make(b: int, h: int, n: int, r: int, c: int, v: int, length: int, lens=None, dtype=jnp.bfloat16):
     def make(key):
-        ks = jax.random.split(key, 6)
+        ks = jax.random.split(key, 5)
         q_nope = jax.random.normal(ks[0], (b, h, n), f32).astype(dtype)
         q_rope = jax.random.normal(ks[1], (b, h, r), f32).astype(dtype)
-        latent = jax.random.normal(ks[2], (b, length, c), f32).astype(dtype)
-        k_rope = jax.random.normal(ks[3], (b, length, r), f32).astype(dtype)
+        cache = jax.random.normal(ks[2], (b, length, c + r), f32).astype(dtype)     # latent, then k_rope
         w_kv_b = (jax.random.normal(ks[4], (h * (n + v), c), f32) * c ** -0.5).astype(dtype)
         kv_len = (jnp.asarray(lens, jnp.int32) if lens is not None
-                  else jax.random.randint(ks[5], (b,), 1, length + 1, jnp.int32))
-        return q_nope, q_rope, latent, k_rope, w_kv_b, kv_len
+                  else jax.random.randint(ks[4], (b,), 1, length + 1, jnp.int32))
+        return q_nope, q_rope, cache, w_kv_b, kv_len
     return make
 
 
@@ -589,14 +591,14 @@ def cases() -> list[registry.Case]:
 
 
 def cost(args, kwargs) -> tuple[float, float]:
-    """Bytes: the valid cache rows (latent + k_rope) - the roofline; q, w_kv_b and the output are
+    """Bytes: the valid cache rows (latent + shared key dims) - the roofline; q, w_kv_b and the output are
     counted too. FLOPs: scores and the latent-space weighted sum (absorption einsums included)."""
-    q_nope, q_rope, latent, k_rope, w_kv_b, kv_len = args
+    q_nope, q_rope, cache, w_kv_b, kv_len = args
     b, h, n = q_nope.shape
-    c, r = latent.shape[-1], k_rope.shape[-1]
+    c, r = w_kv_b.shape[-1], q_rope.shape[-1]
     v = w_kv_b.shape[0] // h - n
     tokens = float(jnp.sum(kv_len))
-    item = latent.dtype.itemsize
+    item = cache.dtype.itemsize
     nbytes = (tokens * (c + r) * item + w_kv_b.size * w_kv_b.dtype.itemsize
               + (q_nope.size + q_rope.size) * q_nope.dtype.itemsize + b * h * v * q_nope.dtype.itemsize)
     flops = 2.0 * tokens * h * (c + r + c) + 2.0 * b * h * c * (n + v)

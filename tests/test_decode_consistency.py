@@ -143,5 +143,6 @@ def test_mla_absorbed_equals_expanded(t, length):
     absb = ops.mla_attention_absorbed(q_nope, q_rope, latent, k_rope, w, mask, scale)
     assert rel_err(absb, exp) < 2e-5
     if t == 1:
-        dec = ops.mla_decode(q_nope[:, 0], q_rope[:, 0], latent, k_rope, w, pos[:, 0] + 1, scale)
+        cache = jnp.concatenate([latent, k_rope], axis=-1)
+        dec = ops.mla_decode(q_nope[:, 0], q_rope[:, 0], cache, w, pos[:, 0] + 1, scale)
         assert rel_err(dec, exp[:, 0]) < 2e-5

@@ -81,6 +81,16 @@ def test_heads_n_is_a_whole_step_ablation():
         KernelPlan.for_backend("pallas", mla_decode="pallas_x")
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_a_cache_of_the_wrong_width_is_named(impl):
+    """The cache holds C latent + R shared key columns a token (C from w_kv_b, R from q_rope)."""
+    q_nope, q_rope, cache, w, kv_len = mla._make(1, 8, 32, 64, 128, 32, 128)(jax.random.key(0))
+    fn = ops.mla_decode if impl == "xla" else mla.mla_decode
+    with pytest.raises(ValueError, match=r"cache \[1, 128, 191\] has 191 columns a token, but w_kv_b \[512, 128\] "
+                                         r"and q_rope \[1, 8, 64\] make 128 \+ 64"):
+        fn(q_nope, q_rope, cache[..., :-1], w, kv_len, 0.1)
+
+
 def test_splits_that_do_not_divide_the_tiles_are_named():
     args = mla._make(1, 8, 32, 64, 128, 32, 192)(jax.random.key(0))
     with pytest.raises(ValueError, match="splits=2 does not divide the cache's 3 tiles"):
@@ -103,7 +113,7 @@ def test_absorb_and_expand_kernels_interpret(batch, c):
     (the expansion's 2 stages) and H not a multiple of 64. Only real rows/heads are compared: the
     padding heads of q_lat are never written (NaN here)."""
     b, h, n, r, v = batch, 5, 32, 64, 64
-    q_nope, q_rope, _, _, w_kv_b, _ = mla._make(b, h, n, r, c, v, 64, lens=[64] * b)(jax.random.key(1))
+    q_nope, q_rope, _, w_kv_b, _ = mla._make(b, h, n, r, c, v, 64, lens=[64] * b)(jax.random.key(1))
     rows, blocks = mla._row_blocks(b)
     pad = ((0, rows * blocks - b), (0, 0), (0, 0))
     with mgpu.race_detection():
