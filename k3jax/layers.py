@@ -103,9 +103,9 @@ class KimiDeltaAttention(nnx.Module):
             return self.g_proj(x, plan)
         return self.g_b_proj(self.g_a_proj(x, plan), plan)
 
-    def conv_weight(self) -> jax.Array:
-        """[3P, K] float32: the q, k and v short-conv filters stacked like the q|k|v window."""
-        return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+    def conv_filters(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The q, k and v short-conv filters, [P, K] float32 each (the q|k|v window's three parts)."""
+        return self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]
 
     def __call__(self, x: jax.Array, state: KDAState, valid: jax.Array, num_new: jax.Array,
                  plan: KernelPlan = XLA):
@@ -113,18 +113,18 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         h, hd = cfg.kda_num_heads, cfg.kda_head_dim
-        qkv = jnp.concatenate([self.q_proj(x, plan), self.k_proj(x, plan), self.v_proj(x, plan)], axis=-1)
+        qkv = (self.q_proj(x, plan), self.k_proj(x, plan), self.v_proj(x, plan))
         f = self.f_b_proj(self.f_a_proj(x, plan), plan)
         beta_logit = self.b_proj(x, plan)
         gate = self.output_gate(x, plan)
         if t == 1:  # decode: every row holds one real token
             o, conv, s = plan("kda_decode")(
-                state.conv, qkv[:, 0], self.conv_weight(), f[:, 0], beta_logit[:, 0], gate[:, 0],
+                state.conv, tuple(y[:, 0] for y in qkv), self.conv_filters(), f[:, 0], beta_logit[:, 0], gate[:, 0],
                 self.A_log[...], self.dt_bias[...], self.o_norm[...], state.recurrent,
                 num_heads=h, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps)
             return self.o_proj(o[:, None], plan), KDAState(conv=conv, recurrent=s)
-        window = jnp.concatenate([state.conv, qkv.astype(state.conv.dtype)], axis=1)
-        q, k, v, g, beta = ops.kda_inputs(window, self.conv_weight(), f, beta_logit, self.A_log[...],
+        window = jnp.concatenate([state.conv, jnp.concatenate(qkv, axis=-1).astype(state.conv.dtype)], axis=1)
+        q, k, v, g, beta = ops.kda_inputs(window, self.conv_filters(), f, beta_logit, self.A_log[...],
                                           self.dt_bias[...], h, cfg.kda_gate_lower_bound)
         # Padding tokens neither decay nor update the state.
         g = jnp.where(valid[..., None, None], g, 0.0)

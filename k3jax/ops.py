@@ -190,14 +190,14 @@ def kda_chunked(state, q, k, v, g, beta, chunk: int = 16):
 def kda_inputs(window, conv_w, f, beta_logit, a_log, dt_bias, num_heads: int, lower_bound: float | None):
     """Everything the delta rule consumes, from the projections of T new tokens.
 
-    window [B, K-1+T, 3P] (past K-1 then new pre-conv q|k|v, model dtype); conv_w [3P, K] f32;
-    f [B, T, P] gate low-rank output; beta_logit [B, T, H]; a_log [H]; dt_bias [P].
+    window [B, K-1+T, 3P] (past K-1 then new pre-conv q|k|v, model dtype); conv_w: the q, k and v
+    short-conv filters, three [P, K] float32 (as the model holds them); f [B, T, P] gate low-rank output; beta_logit [B, T, H]; a_log [H]; dt_bias [P].
     Returns float32 q, k [B, T, H, d] (L2-normalised, q scaled by d^-0.5), v [B, T, H, d],
     g [B, T, H, d] log-decay and beta [B, T, H].
     """
     b, t = f.shape[:2]
     d = f.shape[-1] // num_heads
-    q, k, v = jnp.split(short_conv(window, conv_w).reshape(b, t, 3, num_heads, d), 3, axis=2)
+    q, k, v = jnp.split(short_conv(window, jnp.concatenate(conv_w)).reshape(b, t, 3, num_heads, d), 3, axis=2)
     q, k, beta = kda_qk_beta(q[:, :, 0], k[:, :, 0], beta_logit)
     g = kda_decay(f.reshape(b, t, num_heads, d), a_log, dt_bias.reshape(num_heads, d), lower_bound)
     return q, k, v[:, :, 0], g, beta
@@ -213,14 +213,17 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
                *, num_heads: int, lower_bound: float | None, eps: float):
     """One KDA decode step after the projections: conv update, gates, L2 norms, delta rule, gated norm.
 
-    conv_state [B, K-1, 3P]; qkv [B, 3P]; f, gate [B, P]; beta_logit [B, H]; recurrent [B, H, d, d] f32.
-    Returns (o [B, P] in qkv's dtype, new conv_state, new recurrent).
+    conv_state [B, K-1, 3P] (the q|k|v window); qkv: the new token's q, k, v projections, three
+    [B, P]; conv_w: the three [P, K] float32 filters; f, gate [B, P]; beta_logit [B, H];
+    recurrent [B, H, d, d] f32. Returns (o [B, P] in qkv's dtype, new conv_state, new recurrent).
+    q, k, v and the filters come as separate arrays, as the model has them: a kernel reads each in
+    place, where one stacked operand would cost an XLA concatenation a layer every step.
     """
     (q, k, v, g, beta), conv = kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
                                                num_heads, lower_bound)
     o, s = kda_recurrent_step(recurrent, q, k, v, g, beta)
     b, h, d = o.shape
-    o = gated_rms_norm(o.astype(qkv.dtype), gate.reshape(b, h, d), o_norm, eps)
+    o = gated_rms_norm(o.astype(qkv[0].dtype), gate.reshape(b, h, d), o_norm, eps)
     return o.reshape(b, h * d), conv, s
 
 
@@ -228,7 +231,7 @@ def kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, num_
                     lower_bound: float | None):
     """`kda_inputs` for one new token per sequence: ((q, k, v, g [B, H, d], beta [B, H]) float32,
     the new conv_state [B, K-1, 3P]: the window shifted by the token)."""
-    window = jnp.concatenate([conv_state, qkv[:, None].astype(conv_state.dtype)], axis=1)
+    window = jnp.concatenate([conv_state, jnp.concatenate(qkv, axis=-1)[:, None].astype(conv_state.dtype)], axis=1)
     inputs = kda_inputs(window, conv_w, f[:, None], beta_logit[:, None], a_log, dt_bias, num_heads, lower_bound)
     return tuple(x[:, 0] for x in inputs), window[:, 1:]
 

@@ -1,7 +1,8 @@
 """One KDA decode step after the projections, as one Mosaic GPU kernel over the recurrent state.
 
-Same contract as k3jax.ops.kda_decode: conv_state [B, K-1, 3P] and qkv [B, 3P] (bf16), conv_w
-[3P, K] f32, f, gate [B, P], beta_logit [B, H], a_log [H], dt_bias [P], o_norm [d], recurrent
+Same contract as k3jax.ops.kda_decode: conv_state [B, K-1, 3P] and qkv = (q, k, v) [B, P] each
+(bf16), conv_w = the q, k, v filters [P, K] f32 each (separate operands, read in place: stacking
+them cost two XLA concatenations a layer every step before session 32), f, gate [B, P], beta_logit [B, H], a_log [H], dt_bias [P], o_norm [d], recurrent
 [B, H, d, d] f32 -> (o [B, P], new conv_state, new recurrent).
 
 Grid (B, H, splits): `splits` programs (one warpgroup each) per (sequence, head), each owning
@@ -90,8 +91,8 @@ def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
     """Why the kernel does not cover this call (None: it does). Both gate forms are covered."""
     d = f.shape[-1] // num_heads
-    if qkv.dtype != jnp.bfloat16 or conv_state.dtype != jnp.bfloat16:
-        return f"activations are {qkv.dtype}/{conv_state.dtype}, the kernel takes bfloat16"
+    if any(x.dtype != jnp.bfloat16 for x in qkv) or conv_state.dtype != jnp.bfloat16:
+        return f"activations are {qkv[0].dtype}/{conv_state.dtype}, the kernel takes bfloat16"
     if d % 64 or d > 128:
         return f"head dim {d} (the kernel takes 64 or 128)"
     return None
@@ -133,7 +134,8 @@ def _dense(d: int):
 
 def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
     """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
-    GMEM refs conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias -> a pytree for `_head_math`:
+    GMEM refs conv_state, qkv (q, k, v), conv_w (their filters), f, beta_logit, a_log, dt_bias -> a
+    pytree for `_head_math`:
     per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
     all in `_dense`'s layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so
     that a program can start the next head's loads before this head's math (`_prep_kernel`)."""
@@ -141,12 +143,13 @@ def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
     p = c3 // 3
     layout = _dense(d)
 
-    def part(i):
-        ch = pl.ds(i * p + h * d, d)
-        return ([_vec(cs_g.at[b, j, ch], layout) for j in range(km1)] + [_vec(qkv_g.at[b, ch], layout)],
-                [_vec(cw_g.at[ch, j], layout) for j in range(km1 + 1)])     # strided columns
-
     heads = pl.ds(h * d, d)
+
+    def part(i):
+        window = pl.ds(i * p + h * d, d)
+        return ([_vec(cs_g.at[b, j, window], layout) for j in range(km1)] + [_vec(qkv_g[i].at[b, heads], layout)],
+                [_vec(cw_g[i].at[heads, j], layout) for j in range(km1 + 1)])     # strided columns
+
     return ([part(i) for i in range(3)], _vec(f_g.at[b, heads], layout), _vec(dtb_g.at[heads], layout),
             alog_g[h], bl_g[b, h])
 
@@ -196,7 +199,8 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
     if group < 1 or h_n % group:
         raise ValueError(f"_prep_kernel: group={group} does not divide num_heads={h_n}")
 
-    def kda_step_prep(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, q_g, k_g, v_g, dec_g, beta_g, cs_out_g):
+    def kda_step_prep(cs_g, *refs):
+        qkv_g, cw_g, (f_g, bl_g, alog_g, dtb_g, q_g, k_g, v_g, dec_g, beta_g, cs_out_g) = refs[:3], refs[3:6], refs[6:]
         b, h0 = jax.lax.axis_index("b"), jax.lax.axis_index("h") * group
 
         def loads(i):
@@ -222,7 +226,7 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
     *inputs, conv = _launch(
         kda_step_prep, (vec, vec, vec, vec, jax.ShapeDtypeStruct((b_n, h_n), f32),
                         jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        (b_n, h_n // group), ("b", "h"), conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias)
+        (b_n, h_n // group), ("b", "h"), conv_state, *qkv, *conv_w, f, beta_logit, a_log, dt_bias)
     return tuple(inputs), conv
 
 
@@ -253,9 +257,10 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     h_n, d = num_heads, recurrent.shape[-1]
     p = c3 // 3
     w = d // splits         # value columns per program
-    bf16 = qkv.dtype
+    bf16 = qkv[0].dtype
 
-    def kda_decode_step(cs_g, qkv_g, cw_g, f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g):
+    def kda_decode_step(cs_g, *refs):
+        qkv_g, cw_g, (f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g) = refs[:3], refs[3:6], refs[6:]
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
@@ -287,7 +292,8 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     (o, conv), s = _on_state(
         kda_decode_step,
         (jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        (b_n, h_n, splits), conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent=recurrent)
+        (b_n, h_n, splits), conv_state, *qkv, *conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm,
+        recurrent=recurrent)
     return o, conv, s
 
 
@@ -341,7 +347,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     sms = mgpu.num_sms()
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
-    splits = splits or plan(qkv.shape[0], num_heads, sms, prep)
+    splits = splits or plan(f.shape[0], num_heads, sms, prep)
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                              num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
@@ -377,8 +383,8 @@ def _make(b: int, h: int, d: int, ksize: int = 4, dtype=jnp.bfloat16):
         p = h * d
         nrm = lambda kk, shape, scale=1.0: jax.random.normal(kk, shape, f32) * scale  # noqa: E731
         conv_state = nrm(ks[0], (b, ksize - 1, 3 * p)).astype(dtype)
-        qkv = nrm(ks[1], (b, 3 * p)).astype(dtype)
-        conv_w = nrm(ks[2], (3 * p, ksize), 0.5)
+        qkv = tuple(nrm(kk, (b, p)).astype(dtype) for kk in jax.random.split(ks[1], 3))
+        conv_w = tuple(nrm(kk, (p, ksize), 0.5) for kk in jax.random.split(ks[2], 3))
         f = nrm(ks[3], (b, p)).astype(dtype)
         beta_logit = nrm(ks[4], (b, h)).astype(dtype)
         gate = nrm(ks[5], (b, p)).astype(dtype)
@@ -426,7 +432,7 @@ def cost(args, kwargs) -> tuple[float, float]:
     conv_state, qkv, *_ = args
     leaves = jax.tree.leaves(args)
     nbytes = sum(x.size * x.dtype.itemsize for x in leaves)
-    nbytes += qkv.size // 3 * qkv.dtype.itemsize + conv_state.size * conv_state.dtype.itemsize
+    nbytes += qkv[0].size * qkv[0].dtype.itemsize + conv_state.size * conv_state.dtype.itemsize
     nbytes += args[-1].size * args[-1].dtype.itemsize
     return float(nbytes), 6.0 * args[-1].size
 

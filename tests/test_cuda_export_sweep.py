@@ -46,3 +46,40 @@ def test_decode_step_exports_for_cuda(backend, batch):
         exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
             params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), state)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def _source(var, producers):
+    """The equation that computes `var`, looking through the shape-only squeeze / reshape (no
+    copy in XLA); None for an input of the step."""
+    eqn = producers.get(var)
+    while eqn is not None and eqn.primitive.name in ("squeeze", "reshape"):
+        eqn = producers.get(eqn.invars[0])
+    return eqn
+
+
+def test_decode_step_hands_kernels_their_inputs_in_place():
+    """The kernels' operands in the k3-h200 Pallas step are never a concatenation (a copy of its
+    parts every step: session 32 removed KDA's q|k|v and conv-filter stacks) nor a slice of more
+    than 1 MB (MLA's cache had been passed as two sliced views, each copied out every step)."""
+    cfg = get_preset("k3-h200")
+    model = abstract_model(cfg)
+    model.plan = KernelPlan.for_backend("pallas")
+    graphdef, params = nnx.split(model)
+    state = jax.eval_shape(lambda: init_state(cfg, 1, 1088))
+
+    def step(params, tokens, state):
+        return nnx.merge(graphdef, params).forward(tokens, state)
+
+    with mgpu.compile_for_gpu():
+        jaxpr = jax.make_jaxpr(step)(params, jax.ShapeDtypeStruct((1, 1), jnp.int32), state).jaxpr
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    kernel_calls = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("pjit", "jit") and eqn.params["name"] == "run"]
+    assert len(kernel_calls) > 100          # registry.shared_lowering's jit around each kernel call
+    copies = []
+    for call in kernel_calls:
+        for var in call.invars:
+            src = _source(var, producers)
+            if src is not None and (src.primitive.name == "concatenate" or (
+                    src.primitive.name == "slice" and src.invars[0].aval.size * src.invars[0].aval.dtype.itemsize > 2 ** 20)):
+                copies.append((src.primitive.name, src.invars[0].aval.str_short()))
+    assert not copies, copies

@@ -59,7 +59,7 @@ def test_kda_decode_outputs_and_coverage():
     assert o.shape == (1, 128) and o.dtype == jnp.bfloat16
     # The new window is the old one shifted by one with the new input last: exactly.
     np.testing.assert_array_equal(np.asarray(conv[:, :-1], np.float32), np.asarray(args[0][:, 1:], np.float32))
-    np.testing.assert_array_equal(np.asarray(conv[:, -1], np.float32), np.asarray(args[1], np.float32))
+    np.testing.assert_array_equal(np.asarray(conv[:, -1], np.float32), np.asarray(jnp.concatenate(args[1], -1), np.float32))
     assert s.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(s)))
     assert "head dim" in kd.unsupported(args[0], args[1], jnp.zeros((1, 96)), 1)
     assert kd.unsupported(args[0], args[1], args[3], 2) is None
