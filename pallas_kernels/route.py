@@ -43,9 +43,12 @@ def covers(x_shape, w_shape, x_dtype, w_dtype, *, top_k, activation, n_group=1, 
 
 
 def _select(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, scaling: float):
-    """logits [N, E_pad / LANE, LANE] f32, bias [E_pad / LANE, LANE] f32 (padding: -inf) ->
-    (ids [N, LANE] int32, weights [N, LANE] f32); the first top_k slots of each row are the result."""
+    """logits [N, E_pad / LANE, LANE] f32 (padding: -inf), bias [E] f32 -> (ids [N, LANE] int32,
+    weights [N, LANE] f32); the first top_k slots of each row are the result. The bias is read as
+    the model holds it (a padded copy would be an XLA launch every step): the padding experts are
+    masked by their id instead."""
     rows, tiles, _ = logits.shape
+    e = bias.shape[0]
     shape = (tiles, LANE)
     strided = plgpu.Layout.WG_STRIDED(shape, VEC)
     slots_layout = plgpu.Layout.WG_STRIDED((LANE,), VEC)
@@ -55,16 +58,19 @@ def _select(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, s
 
         @functools.partial(pl.run_scoped, l_smem=plgpu.SMEM(shape, f32), b_smem=plgpu.SMEM(shape, f32),
                            ids_smem=plgpu.SMEM((LANE,), jnp.int32), w_smem=plgpu.SMEM((LANE,), f32),
-                           bar=plgpu.Barrier(num_barriers=2))
+                           bar=plgpu.Barrier(num_barriers=1 + tiles))
         def _(l_smem, b_smem, ids_smem, w_smem, bar):
             plgpu.copy_gmem_to_smem(l_gmem.at[r], l_smem, bar.at[0])
-            plgpu.copy_gmem_to_smem(b_gmem, b_smem, bar.at[1])
-            plgpu.barrier_wait(bar.at[0])
-            plgpu.barrier_wait(bar.at[1])
+            for t in range(tiles):          # the bias row by row; the padding's slots stay unwritten
+                width = min(LANE, e - t * LANE)
+                plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(t * LANE, width)], b_smem.at[t, pl.ds(0, width)],
+                                        bar.at[1 + t])
+            for i in range(1 + tiles):
+                plgpu.barrier_wait(bar.at[i])
             scores = jax.nn.sigmoid(l_smem[...])
-            choice = scores + b_smem[...]
             expert = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=strided) * LANE
                       + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=strided))
+            choice = jnp.where(expert < e, scores + b_smem[...], -jnp.inf)
             slot = plgpu.broadcasted_iota(jnp.int32, (LANE,), 0, layout=slots_layout)
             none = jnp.int32(tiles * LANE)
 
@@ -113,8 +119,7 @@ def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
     e_pad = -(-e // LANE) * LANE
     # Padding experts score sigmoid(-inf) = 0 and choose -inf: never picked while k <= E.
     logits = jnp.pad(part.sum(0).T[:rows], ((0, 0), (0, e_pad - e)), constant_values=-jnp.inf)
-    b = jnp.pad(bias.astype(f32), (0, e_pad - e), constant_values=-jnp.inf)
-    ids, weights = _select(logits.reshape(rows, -1, LANE), b.reshape(-1, LANE), top_k, renormalize, scaling)
+    ids, weights = _select(logits.reshape(rows, -1, LANE), bias.astype(f32), top_k, renormalize, scaling)
     return ids[:, :top_k], weights[:, :top_k]
 
 
