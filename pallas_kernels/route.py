@@ -79,7 +79,7 @@ def _select(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, s
                 best = jnp.max(choice)
                 idx = jnp.min(jnp.where(choice == best, expert, none))   # lowest id among ties
                 hit = expert == idx
-                w = jnp.max(jnp.where(hit, scores, -jnp.inf))
+                w = jax.nn.sigmoid(l_smem[idx // LANE, idx % LANE])   # its plain score: a load, no reduction
                 return (jnp.where(hit, -jnp.inf, choice), jnp.where(slot == j, idx, ids),
                         jnp.where(slot == j, w, weights))
 
