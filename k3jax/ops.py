@@ -191,7 +191,8 @@ def kda_inputs(window, conv_w, f, beta_logit, a_log, dt_bias, num_heads: int, lo
     """Everything the delta rule consumes, from the projections of T new tokens.
 
     window [B, K-1+T, 3P] (past K-1 then new pre-conv q|k|v, model dtype); conv_w: the q, k and v
-    short-conv filters, three [P, K] float32 (as the model holds them); f [B, T, P] gate low-rank output; beta_logit [B, T, H]; a_log [H]; dt_bias [P].
+    short-conv filters, three [P, K] float32 (as the model holds them); f [B, T, P] gate low-rank
+    output; beta_logit [B, T, H]; a_log [H]; dt_bias [P].
     Returns float32 q, k [B, T, H, d] (L2-normalised, q scaled by d^-0.5), v [B, T, H, d],
     g [B, T, H, d] log-decay and beta [B, T, H].
     """

@@ -2,8 +2,9 @@
 
 Same contract as k3jax.ops.kda_decode: conv_state [B, K-1, 3P] and qkv = (q, k, v) [B, P] each
 (bf16), conv_w = the q, k, v filters [P, K] f32 each (separate operands, read in place: stacking
-them cost two XLA concatenations a layer every step before session 32), f, gate [B, P], beta_logit [B, H], a_log [H], dt_bias [P], o_norm [d], recurrent
-[B, H, d, d] f32 -> (o [B, P], new conv_state, new recurrent).
+them cost two XLA concatenations a layer every step before session 32), f, gate [B, P],
+beta_logit [B, H], a_log [H], dt_bias [P], o_norm [d], recurrent [B, H, d, d] f32 -> (o [B, P],
+new conv_state, new recurrent).
 
 Grid (B, H, splits): `splits` programs (one warpgroup each) per (sequence, head), each owning
 d / splits value columns of the head's state S [d, d] float32 (64 KB at d = 128). The delta rule
@@ -91,8 +92,9 @@ def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
     """Why the kernel does not cover this call (None: it does). Both gate forms are covered."""
     d = f.shape[-1] // num_heads
-    if any(x.dtype != jnp.bfloat16 for x in qkv) or conv_state.dtype != jnp.bfloat16:
-        return f"activations are {qkv[0].dtype}/{conv_state.dtype}, the kernel takes bfloat16"
+    dtypes = [str(x.dtype) for x in (*qkv, conv_state)]
+    if any(t != "bfloat16" for t in dtypes):
+        return f"activations (q, k, v, conv_state) are {', '.join(dtypes)}; the kernel takes bfloat16"
     if d % 64 or d > 128:
         return f"head dim {d} (the kernel takes 64 or 128)"
     return None

@@ -554,7 +554,7 @@ def _make(b: int, h: int, n: int, r: int, c: int, v: int, length: int, lens=None
         q_nope = jax.random.normal(ks[0], (b, h, n), f32).astype(dtype)
         q_rope = jax.random.normal(ks[1], (b, h, r), f32).astype(dtype)
         cache = jax.random.normal(ks[2], (b, length, c + r), f32).astype(dtype)     # latent, then k_rope
-        w_kv_b = (jax.random.normal(ks[4], (h * (n + v), c), f32) * c ** -0.5).astype(dtype)
+        w_kv_b = (jax.random.normal(ks[3], (h * (n + v), c), f32) * c ** -0.5).astype(dtype)
         kv_len = (jnp.asarray(lens, jnp.int32) if lens is not None
                   else jax.random.randint(ks[4], (b,), 1, length + 1, jnp.int32))
         return q_nope, q_rope, cache, w_kv_b, kv_len

@@ -27,12 +27,9 @@ def test_small_case_exports_for_cuda(op, case):
         jax.export.export(jax.jit(run), platforms=["cuda"])(*avals)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "cute"])
-@pytest.mark.parametrize("batch", [1, 8, 32, 128, 256])
-def test_decode_step_exports_for_cuda(backend, batch):
-    """The k3-h200 decode step with every kernel of the backend lowers for CUDA at the decode
-    batches the README reports (session 28: batch 256 had stopped compiling on the H200 - MLA's
-    expansion asked for 240 KB of SMEM - and no op sweep reached 256 rows)."""
+def _k3_step(backend: str, batch: int):
+    """The k3-h200 decode step with `backend`'s kernels -> (step(params, tokens, state), abstract
+    arguments at `batch` rows and a 1088-token cache)."""
     cfg = get_preset("k3-h200")
     model = abstract_model(cfg)
     model.plan = KernelPlan.for_backend(backend)
@@ -41,10 +38,18 @@ def test_decode_step_exports_for_cuda(backend, batch):
 
     def step(params, tokens, state):
         return nnx.merge(graphdef, params).forward(tokens, state)
+    return step, (params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), state)
 
+
+@pytest.mark.parametrize("backend", ["pallas", "cute"])
+@pytest.mark.parametrize("batch", [1, 8, 32, 128, 256])
+def test_decode_step_exports_for_cuda(backend, batch):
+    """The k3-h200 decode step with every kernel of the backend lowers for CUDA at the decode
+    batches the README reports (session 28: batch 256 had stopped compiling on the H200 - MLA's
+    expansion asked for 240 KB of SMEM - and no op sweep reached 256 rows)."""
+    step, args = _k3_step(backend, batch)
     with mgpu.compile_for_gpu():
-        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
-            params, jax.ShapeDtypeStruct((batch, 1), jnp.int32), state)
+        exported = jax.export.export(jax.jit(step), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
 
 
@@ -61,17 +66,9 @@ def test_decode_step_hands_kernels_their_inputs_in_place():
     """The kernels' operands in the k3-h200 Pallas step are never a concatenation (a copy of its
     parts every step: session 32 removed KDA's q|k|v and conv-filter stacks) nor a slice of more
     than 1 MB (MLA's cache had been passed as two sliced views, each copied out every step)."""
-    cfg = get_preset("k3-h200")
-    model = abstract_model(cfg)
-    model.plan = KernelPlan.for_backend("pallas")
-    graphdef, params = nnx.split(model)
-    state = jax.eval_shape(lambda: init_state(cfg, 1, 1088))
-
-    def step(params, tokens, state):
-        return nnx.merge(graphdef, params).forward(tokens, state)
-
+    step, args = _k3_step("pallas", 1)
     with mgpu.compile_for_gpu():
-        jaxpr = jax.make_jaxpr(step)(params, jax.ShapeDtypeStruct((1, 1), jnp.int32), state).jaxpr
+        jaxpr = jax.make_jaxpr(step)(*args).jaxpr
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     kernel_calls = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("pjit", "jit") and eqn.params["name"] == "run"]
     assert len(kernel_calls) > 100          # registry.shared_lowering's jit around each kernel call
