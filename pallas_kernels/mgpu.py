@@ -11,8 +11,10 @@ trace cache does not see this setting.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -118,3 +120,28 @@ def store_tile(value: jax.Array, dst) -> None:
 
 def warpgroup_params() -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def own_reduction_scratch(thread_axis: str, threads: int, body: Callable[[], None]) -> None:
+    """Inside a kernel of `threads` Pallas threads (warpgroups, axis `thread_axis`): runs body()
+    in each thread with SMEM scratch for cross-warp reductions that no other thread uses.
+
+    A reduction along a WGMMA array's M axis (its rows live in the warpgroup's four warps) goes
+    through SMEM scratch that Mosaic GPU places at the first free SMEM byte: the same address in
+    every warpgroup running the same code, so two warpgroups reducing at once overwrite each
+    other's partials (wrong, run-to-run varying results on a GPU; the interpreter does not model
+    the scratch). Thread i runs body under an unused SMEM pad of i x the reduction scratch size,
+    which moves its scratch past the others'. Interpreted, body runs as is (no shared scratch to
+    avoid, and the interpreter takes no allocation that only some threads make)."""
+    if interpret_params() is not None:
+        body()
+        return
+    pad = plgpu.CompilerParams().reduction_scratch_bytes
+    thread = jax.lax.axis_index(thread_axis)
+    for i in range(threads):
+        @pl.when(thread == i)
+        def _(i=i):
+            if i == 0:
+                body()
+            else:
+                pl.run_scoped(lambda _pad: body(), plgpu.SMEM((i * pad,), jnp.int8), collective_axes=thread_axis)

@@ -404,7 +404,12 @@ def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
     heads_row = plgpu.Layout.WGMMA.reduce(1)       # a vector along the heads (M) of o
     interpret = mgpu.interpret_params()
 
-    def consumer(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
+    def consumer(blk: _Block, *refs):
+        # The softmax reduces down the token (M) axis across warps: each consumer needs its own
+        # reduction scratch, or the two race on Mosaic's shared one (wrong on a GPU, session 33).
+        mgpu.own_reduction_scratch("wg", 2, lambda: consume(blk, *refs))
+
+    def consume(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
         mine = pl.ds(blk.wg * scored, scored)       # the heads this consumer scores
 
         def step(t, carry):

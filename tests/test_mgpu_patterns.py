@@ -1,0 +1,226 @@
+"""The Mosaic GPU register/SMEM patterns the MLA attention's heads_n schedule relies on, one small
+kernel each, against numpy: run in interpret mode on CPU and compiled on a GPU (marked `gpu`).
+
+heads_n passes in interpret mode but not compiled (session 33, H100): the interpreter models
+neither swizzled SMEM nor register layouts, so each pattern is isolated here to find which one
+the compiled kernel gets wrong. Shapes are K3's: a 64-token tile scored against 24 of a 48-head
+group's q rows (N = 24), p of [64 heads, 64 tokens] bf16 in 128-byte-swizzled SMEM.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mgpu
+from pallas_kernels.mla_decode import _tf
+
+TOKENS, K, GROUP, SCORED, ROWS = 64, 64, 48, 24, 64
+WG = plgpu.Layout.WGMMA
+f32 = jnp.float32
+
+
+def _inputs(seed: int):
+    ka, kq = jax.random.split(jax.random.key(seed))
+    tile = jax.random.normal(ka, (TOKENS, K), f32).astype(jnp.bfloat16)
+    q = jax.random.normal(kq, (GROUP, K), f32).astype(jnp.bfloat16)
+    return tile, q
+
+
+def _scores_kernel(tile, q, first: int):
+    """-> (s [64, 24] f32 = tile @ q[first:first+24].T by wgmma with q^T as the B operand,
+    s.max(0), exp2(s - max).sum(0) [24] f32: reductions down the M (token) axis)."""
+    def body(t_gmem, q_gmem, s_gmem, mx_gmem, sm_gmem, t_smem, q_smem, s_smem, v_smem, bar):
+        plgpu.copy_gmem_to_smem(t_gmem, t_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(q_gmem, q_smem, bar.at[1])
+        plgpu.barrier_wait(bar.at[0])
+        plgpu.barrier_wait(bar.at[1])
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, t_smem, q_smem.at[pl.ds(first, SCORED)].transpose((1, 0)))
+            return s_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((TOKENS, SCORED), f32))
+        mx = s.max(axis=0)
+        sm = jnp.exp2(s - jax.lax.broadcast_in_dim(mx, s.shape, [1])).sum(axis=0)
+        s_smem[...] = s
+        v_smem.at[0][...] = mx
+        v_smem.at[1][...] = sm
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_smem, s_gmem)
+        plgpu.copy_smem_to_gmem(v_smem.at[0], mx_gmem)
+        plgpu.copy_smem_to_gmem(v_smem.at[1], sm_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    tf = _tf(K)
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((TOKENS, SCORED), f32), jax.ShapeDtypeStruct((SCORED,), f32),
+                  jax.ShapeDtypeStruct((SCORED,), f32)),
+        scratch_types=[plgpu.SMEM((TOKENS, K), tile.dtype, transforms=tf),
+                       plgpu.SMEM((GROUP, K), q.dtype, transforms=tf),
+                       plgpu.SMEM((TOKENS, SCORED), f32), plgpu.SMEM((2, SCORED), f32),
+                       plgpu.Barrier(num_barriers=2)],
+        interpret=mgpu.interpret_params(),
+    )(tile, q)
+
+
+def _transposed_store_kernel(x, first: int):
+    """x [64 tokens, 24] bf16 (WGMMA layout in registers) stored transposed into rows first.. of
+    a zeroed, swizzled [64, 64] SMEM tile, read back into registers in the WGMMA layout
+    (`plgpu.load`) and written out -> [64, 64] bf16."""
+    def body(x_gmem, o_gmem, x_smem, p_smem, o_smem, bar):
+        plgpu.copy_gmem_to_smem(x_gmem, x_smem, bar)
+        plgpu.barrier_wait(bar)
+        xv = plgpu.load(x_smem, layout=WG, optimized=False)
+        p_smem[...] = plgpu.layout_cast(jnp.zeros((ROWS, TOKENS), x.dtype), WG)
+        p_smem.at[pl.ds(first, SCORED)].transpose((1, 0))[...] = xv
+        plgpu.commit_smem()
+        o_smem[...] = plgpu.load(p_smem, layout=WG)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((ROWS, TOKENS), x.dtype),
+        scratch_types=[plgpu.SMEM((TOKENS, SCORED), x.dtype), plgpu.SMEM((ROWS, TOKENS), x.dtype, transforms=_tf(64)),
+                       plgpu.SMEM((ROWS, TOKENS), x.dtype), plgpu.Barrier()],
+        interpret=mgpu.interpret_params(),
+    )(x)
+
+
+def _row_vector_kernel(v, first: int):
+    """v [64] f32; entries first..first+24 read as a vector along the N axis of a WGMMA array
+    (`WGMMA.reduce(0)`), doubled and stored back over the others set to 1.0, then the whole
+    read along the M axis (`WGMMA.reduce(1)`) and broadcast over a [64, 64] array's columns
+    -> [64, 64] f32."""
+    def body(v_gmem, o_gmem, a_smem, o_smem, bar):
+        plgpu.copy_gmem_to_smem(v_gmem, a_smem, bar)
+        plgpu.barrier_wait(bar)
+        col = plgpu.load(a_smem.at[pl.ds(first, SCORED)], layout=WG.reduce(0), optimized=False)
+        a_smem[...] = plgpu.layout_cast(jnp.ones((ROWS,), f32), WG.reduce(1))
+        a_smem.at[pl.ds(first, SCORED)][...] = col * 2.0
+        plgpu.commit_smem()
+        row = plgpu.load(a_smem, layout=WG.reduce(1), optimized=False)
+        o_smem[...] = jax.lax.broadcast_in_dim(row, (ROWS, TOKENS), [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((ROWS, TOKENS), f32),
+        scratch_types=[plgpu.SMEM((ROWS,), f32), plgpu.SMEM((ROWS, TOKENS), f32), plgpu.Barrier()],
+        interpret=mgpu.interpret_params(),
+    )(v)
+
+
+def _two_warpgroups_reduce_kernel(tile, q):
+    """Both warpgroups at once: warpgroup w scores the tile against q rows 24w.. (as
+    `_scores_kernel`) and reduces down the token (M) axis across its warps, each with its own
+    reduction scratch (`mgpu.own_reduction_scratch`) -> max and exp2-sum [2, 24] f32."""
+    def body(t_gmem, q_gmem, mx_gmem, sm_gmem, t_smem, q_smem, v_smem, bar, done):
+        wg = jax.lax.axis_index("wg")
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(t_gmem, t_smem, bar.at[0])
+            plgpu.copy_gmem_to_smem(q_gmem, q_smem, bar.at[1])
+
+        def reduce():
+            plgpu.barrier_wait(bar.at[0])
+            plgpu.barrier_wait(bar.at[1])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, t_smem, q_smem.at[pl.ds(wg * SCORED, SCORED)].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((TOKENS, SCORED), f32))
+            mx = s.max(axis=0)
+            v_smem.at[0, wg][...] = mx
+            v_smem.at[1, wg][...] = jnp.exp2(s - jax.lax.broadcast_in_dim(mx, s.shape, [1])).sum(axis=0)
+        mgpu.own_reduction_scratch("wg", 2, reduce)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_smem_to_gmem(v_smem.at[0], mx_gmem)
+            plgpu.copy_smem_to_gmem(v_smem.at[1], sm_gmem)
+            plgpu.wait_smem_to_gmem(0)
+
+    tf = _tf(K)
+    return plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((2, SCORED), f32), jax.ShapeDtypeStruct((2, SCORED), f32)),
+        scratch_types=[plgpu.SMEM((TOKENS, K), tile.dtype, transforms=tf), plgpu.SMEM((GROUP, K), q.dtype, transforms=tf),
+                       plgpu.SMEM((2, 2, SCORED), f32), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2)],
+        num_threads=2, thread_name="wg", interpret=mgpu.interpret_params(),
+    )(tile, q)
+
+
+def _close(got, want, rtol):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+    assert err <= rtol, f"max error {err:.3e} of the output scale (allowed {rtol:.1e})"
+
+
+def _check_scores(first):
+    tile, q = _inputs(first)
+    s, mx, sm = jax.jit(_scores_kernel, static_argnums=2)(tile, q, first)
+    want = np.asarray(tile, np.float32) @ np.asarray(q, np.float32)[first:first + SCORED].T
+    _close(s, want, 1e-5)          # bf16 products, float32 sums of 64 terms
+    _close(mx, want.max(0), 1e-5)
+    _close(sm, np.exp2(want - want.max(0)).sum(0), 1e-5)
+
+
+def _check_transposed_store(first):
+    x = jax.random.normal(jax.random.key(first), (TOKENS, SCORED), f32).astype(jnp.bfloat16)
+    got = jax.jit(_transposed_store_kernel, static_argnums=1)(x, first)
+    want = np.zeros((ROWS, TOKENS), np.float32)
+    want[first:first + SCORED] = np.asarray(x, np.float32).T
+    _close(got, want, 0.0)         # a move: exact
+
+
+def _check_row_vector(first):
+    v = jax.random.normal(jax.random.key(first), (ROWS,), f32)
+    got = jax.jit(_row_vector_kernel, static_argnums=1)(v, first)
+    want = np.ones((ROWS,), np.float32)
+    want[first:first + SCORED] = 2.0 * np.asarray(v)[first:first + SCORED]
+    _close(got, np.broadcast_to(want[:, None], (ROWS, TOKENS)), 0.0)
+
+
+def _check_two_warpgroups_reduce(first):
+    tile, q = _inputs(first)
+    for _ in range(3):              # the race this guards against varies from run to run
+        mx, sm = jax.jit(_two_warpgroups_reduce_kernel)(tile, q)
+        want = (np.asarray(tile, np.float32) @ np.asarray(q, np.float32).T).reshape(TOKENS, 2, SCORED)
+        _close(mx, want.max(0), 1e-5)
+        _close(sm, np.exp2(want - want.max(0)).sum(0), 1e-5)
+
+
+CHECKS = {"scores_n24": _check_scores, "transposed_store": _check_transposed_store, "row_vector": _check_row_vector,
+          "two_warpgroups_reduce": _check_two_warpgroups_reduce}
+
+
+@pytest.mark.parametrize("first", [0, SCORED])
+@pytest.mark.parametrize("pattern", list(CHECKS))
+def test_pattern_interpret(pattern, first):
+    CHECKS[pattern](first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", [0, SCORED])
+@pytest.mark.parametrize("pattern", list(CHECKS))
+def test_pattern_gpu(pattern, first):
+    CHECKS[pattern](first)
+
+
+@pytest.mark.parametrize("pattern", list(CHECKS))
+def test_pattern_exports_for_cuda(pattern):
+    tile, q = _inputs(0)
+    run, args = {"scores_n24": (lambda: _scores_kernel(tile, q, SCORED), ()),
+                 "transposed_store": (lambda x: _transposed_store_kernel(x, SCORED), (tile[:, :SCORED],)),
+                 "row_vector": (lambda v: _row_vector_kernel(v, SCORED), (tile[0].astype(f32),)),
+                 "two_warpgroups_reduce": (lambda: _two_warpgroups_reduce_kernel(tile, q), ())}[pattern]
+    with mgpu.compile_for_gpu():
+        jax.export.export(jax.jit(run), platforms=["cuda"])(*args)
