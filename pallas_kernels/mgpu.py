@@ -123,25 +123,27 @@ def warpgroup_params() -> plgpu.CompilerParams:
 
 
 def own_reduction_scratch(thread_axis: str, threads: int, body: Callable[[], None]) -> None:
-    """Inside a kernel of `threads` Pallas threads (warpgroups, axis `thread_axis`): runs body()
-    in each thread with SMEM scratch for cross-warp reductions that no other thread uses.
+    """Inside a kernel with Pallas threads (warpgroups) along `thread_axis`: runs body() in threads
+    0 .. threads - 1, each with SMEM scratch for cross-warp reductions that no other thread uses.
+    Every thread of the block must call this at the same point, before the threads' long work:
+    it starts with block-wide barriers (thread-collective SMEM allocations synchronise the block).
 
     A reduction along a WGMMA array's M axis (its rows live in the warpgroup's four warps) goes
     through SMEM scratch that Mosaic GPU places at the first free SMEM byte: the same address in
     every warpgroup running the same code, so two warpgroups reducing at once overwrite each
     other's partials (wrong, run-to-run varying results on a GPU; the interpreter does not model
-    the scratch). Thread i runs body under an unused SMEM pad of i x the reduction scratch size,
-    which moves its scratch past the others'. Interpreted, body runs as is (no shared scratch to
-    avoid, and the interpreter takes no allocation that only some threads make)."""
+    the scratch). Thread i runs body inside i nested, unused SMEM pads of the scratch's size,
+    which moves its scratch past the others'. The pads are entered by every thread (their
+    barriers) before any body starts, and left without a barrier. Interpreted, body runs as is
+    (no shared scratch to avoid)."""
+    thread = jax.lax.axis_index(thread_axis)
     if interpret_params() is not None:
-        body()
+        pl.when(thread < threads)(body)
         return
     pad = plgpu.CompilerParams().reduction_scratch_bytes
-    thread = jax.lax.axis_index(thread_axis)
-    for i in range(threads):
-        @pl.when(thread == i)
-        def _(i=i):
-            if i == 0:
-                body()
-            else:
-                pl.run_scoped(lambda _pad: body(), plgpu.SMEM((i * pad,), jnp.int8), collective_axes=thread_axis)
+
+    def nest(i: int):
+        if i + 1 < threads:
+            pl.run_scoped(lambda _pad: nest(i + 1), plgpu.SMEM((pad,), jnp.int8), collective_axes=thread_axis)
+        pl.when(thread == i)(body)
+    nest(0)

@@ -265,7 +265,7 @@ def _store_split(blk: _Block, o_smem, ml_smem) -> None:
 
 
 def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int, block_heads: int,
-                  scratch: list):
+                  scratch: list, own_reduction_scratch: bool = False):
     """The attention kernel of both schedules: grid (group of `block_heads` heads, batch, split),
     three warpgroups - `_stream_cache` as the producer, and consumer(blk: _Block, *scratch refs)
     in warpgroups 0 and 1 once the group's q is in SMEM. q_lat [Bq, Hq, C], q_rope [Bq, Hq, R]
@@ -290,16 +290,7 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int
         valid = plgpu.load(len_gmem.at[bi]) - si * per
         live = jnp.clip((valid + BLOCK_L - 1) // BLOCK_L, 0, steps)   # later tiles: neither read nor scored
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-            for j in range(2):
-                plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
-            plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
-            _stream_cache(cache_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
-
-        @pl.when(wg < 2)
-        def _consumer():
+        def consume():
             plgpu.set_max_registers(232, action="increase")
             for j in range(3):
                 plgpu.barrier_wait(q_bar.at[j])
@@ -312,6 +303,20 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int
                             lambda slot: plgpu.barrier_arrive(free_bar.at[slot]),
                             o_gmem.at[si, bi, heads, pl.ds(wg * half, half)], m_gmem.at[si, bi, heads],
                             l_gmem.at[si, bi, heads]), *extra)
+
+        # First: with own_reduction_scratch, every warpgroup passes block-wide barriers there.
+        if own_reduction_scratch:
+            mgpu.own_reduction_scratch("wg", 2, consume)
+        else:
+            pl.when(wg < 2)(consume)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            for j in range(2):
+                plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
+            plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
+            _stream_cache(cache_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
 
     return plgpu.kernel(
         body,
@@ -404,12 +409,7 @@ def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
     heads_row = plgpu.Layout.WGMMA.reduce(1)       # a vector along the heads (M) of o
     interpret = mgpu.interpret_params()
 
-    def consumer(blk: _Block, *refs):
-        # The softmax reduces down the token (M) axis across warps: each consumer needs its own
-        # reduction scratch, or the two race on Mosaic's shared one (wrong on a GPU, session 33).
-        mgpu.own_reduction_scratch("wg", 2, lambda: consume(blk, *refs))
-
-    def consume(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
+    def consumer(blk: _Block, p_smem, alpha_smem, ml_smem, swap_bar, done_bar):
         mine = pl.ds(blk.wg * scored, scored)       # the heads this consumer scores
 
         def step(t, carry):
@@ -465,8 +465,10 @@ def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
                plgpu.SMEM((2, BLOCK_H), f32),                                           # alpha, two tiles
                plgpu.SMEM((2, BLOCK_H), f32),                                           # final (m, l)
                plgpu.Barrier(num_arrivals=2, num_barriers=2), plgpu.Barrier(num_arrivals=2)]
+    # The softmax reduces down the token (M) axis across warps: each consumer needs its own
+    # reduction scratch, or the two race on Mosaic's shared one (wrong on a GPU, session 33).
     return _flash_decode(consumer, "mla_attend_heads_n", q_lat, q_rope, cache, kv_len, splits, HEADS_N,
-                         scratch)
+                         scratch, own_reduction_scratch=True)
 
 
 def _expand(o_t, w_kv_b, n: int):
