@@ -310,11 +310,10 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int
                             o_gmem.at[si, bi, heads, pl.ds(wg * half, half)], m_gmem.at[si, bi, heads],
                             l_gmem.at[si, bi, heads]), *extra)
 
-        # First: with own_reduction_scratch, every warpgroup passes block-wide barriers there.
+        # With own_reduction_scratch every warpgroup passes block-wide barriers there: before the
+        # producer's loop.
         if own_reduction_scratch:
             mgpu.own_reduction_scratch("wg", 2, consume)
-        else:
-            pl.when(wg < 2)(consume)
 
         @pl.when(wg == 2)
         def _producer():
@@ -323,6 +322,9 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int
                 plgpu.copy_gmem_to_smem(ql_gmem.at[bi, heads, pl.ds(j * half, half)], ql_smem.at[j], q_bar.at[j])
             plgpu.copy_gmem_to_smem(qr_gmem.at[bi, heads], qr_smem, q_bar.at[2])
             _stream_cache(cache_gmem.at[bi], lat_smem, kr_smem, lat_bar, kr_bar, free_bar, toks, live, steps)
+
+        if not own_reduction_scratch:
+            pl.when(wg < 2)(consume)
 
     return plgpu.kernel(
         body,
