@@ -276,7 +276,9 @@ def _flash_decode(consumer, name: str, q_lat, q_rope, cache, kv_len, splits: int
     three warpgroups - `_stream_cache` as the producer, and consumer(blk: _Block, *scratch refs)
     in warpgroups 0 and 1 once the group's q is in SMEM. q_lat [Bq, Hq, C], q_rope [Bq, Hq, R]
     bf16 (Hq % block_heads == 0, Bq >= B), cache [B, L, C + R] -> o [S, B, Hq, C] bf16 (per split: sum_t 2^(s_t - m)
-    latent_t / l), m, l [S, B, Hq] float32 (the split's max score, base 2, and sum_t 2^(s_t - m))."""
+    latent_t / l), m, l [S, B, Hq] float32 (the split's max score, base 2, and sum_t 2^(s_t - m)).
+    own_reduction_scratch: each consumer reduces across its warps in SMEM scratch of its own
+    (`mgpu.own_reduction_scratch`), for a consumer that reduces down a WGMMA array's M axis."""
     hq, c = q_lat.shape[1:]
     r = q_rope.shape[-1]
     b, length = cache.shape[:2]
