@@ -29,21 +29,30 @@ def _inputs(seed: int):
     return tile, q
 
 
+def _want_scores(tile, q):
+    """The reference of `_scores`: tile @ q.T [64 tokens, 48 heads] float32."""
+    return np.asarray(tile, np.float32) @ np.asarray(q, np.float32).T
+
+
+def _scores(t_smem, q_smem, first):
+    """Inside a kernel: s [64, 24] f32 = tile @ q[first:first+24].T by wgmma with q^T as the B
+    operand, and s.max(0), exp2(s - max).sum(0) [24] f32 (reductions down the M, token, axis)."""
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, t_smem, q_smem.at[pl.ds(first, SCORED)].transpose((1, 0)))
+        return s_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((TOKENS, SCORED), f32))
+    mx = s.max(axis=0)
+    return s, mx, jnp.exp2(s - jax.lax.broadcast_in_dim(mx, s.shape, [1])).sum(axis=0)
+
+
 def _scores_kernel(tile, q, first: int):
-    """-> (s [64, 24] f32 = tile @ q[first:first+24].T by wgmma with q^T as the B operand,
-    s.max(0), exp2(s - max).sum(0) [24] f32: reductions down the M (token) axis)."""
+    """One warpgroup: `_scores` of q rows first.. -> (s [64, 24], max [24], exp2-sum [24]) f32."""
     def body(t_gmem, q_gmem, s_gmem, mx_gmem, sm_gmem, t_smem, q_smem, s_smem, v_smem, bar):
         plgpu.copy_gmem_to_smem(t_gmem, t_smem, bar.at[0])
         plgpu.copy_gmem_to_smem(q_gmem, q_smem, bar.at[1])
         plgpu.barrier_wait(bar.at[0])
         plgpu.barrier_wait(bar.at[1])
-
-        def qk(s_ref):
-            plgpu.wgmma(s_ref, t_smem, q_smem.at[pl.ds(first, SCORED)].transpose((1, 0)))
-            return s_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((TOKENS, SCORED), f32))
-        mx = s.max(axis=0)
-        sm = jnp.exp2(s - jax.lax.broadcast_in_dim(mx, s.shape, [1])).sum(axis=0)
+        s, mx, sm = _scores(t_smem, q_smem, first)
         s_smem[...] = s
         v_smem.at[0][...] = mx
         v_smem.at[1][...] = sm
@@ -116,9 +125,9 @@ def _row_vector_kernel(v, first: int):
 
 
 def _two_warpgroups_reduce_kernel(tile, q):
-    """Both warpgroups at once: warpgroup w scores the tile against q rows 24w.. (as
-    `_scores_kernel`) and reduces down the token (M) axis across its warps, each with its own
-    reduction scratch (`mgpu.own_reduction_scratch`) -> max and exp2-sum [2, 24] f32."""
+    """Both warpgroups at once: warpgroup w takes `_scores` of q rows 24w.., reducing down the
+    token (M) axis across its warps, each with its own reduction scratch
+    (`mgpu.own_reduction_scratch`) -> max and exp2-sum [2, 24] f32."""
     def body(t_gmem, q_gmem, mx_gmem, sm_gmem, t_smem, q_smem, v_smem, bar, done):
         wg = jax.lax.axis_index("wg")
 
@@ -130,14 +139,9 @@ def _two_warpgroups_reduce_kernel(tile, q):
         def reduce():
             plgpu.barrier_wait(bar.at[0])
             plgpu.barrier_wait(bar.at[1])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, t_smem, q_smem.at[pl.ds(wg * SCORED, SCORED)].transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((TOKENS, SCORED), f32))
-            mx = s.max(axis=0)
+            _, mx, sm = _scores(t_smem, q_smem, wg * SCORED)
             v_smem.at[0, wg][...] = mx
-            v_smem.at[1, wg][...] = jnp.exp2(s - jax.lax.broadcast_in_dim(mx, s.shape, [1])).sum(axis=0)
+            v_smem.at[1, wg][...] = sm
         mgpu.own_reduction_scratch("wg", 2, reduce)
         plgpu.commit_smem()
         plgpu.barrier_arrive(done)
@@ -167,7 +171,7 @@ def _close(got, want, rtol):
 def _check_scores(first):
     tile, q = _inputs(first)
     s, mx, sm = jax.jit(_scores_kernel, static_argnums=2)(tile, q, first)
-    want = np.asarray(tile, np.float32) @ np.asarray(q, np.float32)[first:first + SCORED].T
+    want = _want_scores(tile, q)[:, first:first + SCORED]
     _close(s, want, 1e-5)          # bf16 products, float32 sums of 64 terms
     _close(mx, want.max(0), 1e-5)
     _close(sm, np.exp2(want - want.max(0)).sum(0), 1e-5)
@@ -191,9 +195,9 @@ def _check_row_vector(first):
 
 def _check_two_warpgroups_reduce(first):
     tile, q = _inputs(first)
+    want = _want_scores(tile, q).reshape(TOKENS, 2, SCORED)
     for _ in range(3):              # the race this guards against varies from run to run
         mx, sm = jax.jit(_two_warpgroups_reduce_kernel)(tile, q)
-        want = (np.asarray(tile, np.float32) @ np.asarray(q, np.float32).T).reshape(TOKENS, 2, SCORED)
         _close(mx, want.max(0), 1e-5)
         _close(sm, np.exp2(want - want.max(0)).sum(0), 1e-5)
 
