@@ -123,7 +123,7 @@ class KimiDeltaAttention(nnx.Module):
                 self.A_log[...], self.dt_bias[...], self.o_norm[...], state.recurrent,
                 num_heads=h, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.rms_norm_eps)
             return self.o_proj(o[:, None], plan), KDAState(conv=conv, recurrent=s)
-        window = jnp.concatenate([state.conv, jnp.concatenate(qkv, axis=-1).astype(state.conv.dtype)], axis=1)
+        window = ops.kda_window(state.conv, qkv)
         q, k, v, g, beta = ops.kda_inputs(window, self.conv_filters(), f, beta_logit, self.A_log[...],
                                           self.dt_bias[...], h, cfg.kda_gate_lower_bound)
         # Padding tokens neither decay nor update the state.

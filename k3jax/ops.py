@@ -118,6 +118,12 @@ def short_conv(window: jax.Array, weight: jax.Array) -> jax.Array:
     return conv_taps(tuple(window[:, j:j + t, :] for j in range(k)), tuple(weight[:, j] for j in range(k)))
 
 
+def kda_window(conv_state: jax.Array, qkv) -> jax.Array:
+    """The short conv's window: conv_state [B, K-1, 3P] (the past inputs) then the new tokens'
+    q|k|v from qkv = (q, k, v) [B, T, P] each -> [B, K-1+T, 3P] in conv_state's dtype."""
+    return jnp.concatenate([conv_state, jnp.concatenate(qkv, axis=-1).astype(conv_state.dtype)], axis=1)
+
+
 def conv_taps(taps, weights) -> jax.Array:
     """silu(sum_j taps[j] * weights[j]) in float32: the short conv's formula, shared by `short_conv`
     and the KDA decode kernel (which holds the window as separate vectors)."""
@@ -232,7 +238,7 @@ def kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, num_
                     lower_bound: float | None):
     """`kda_inputs` for one new token per sequence: ((q, k, v, g [B, H, d], beta [B, H]) float32,
     the new conv_state [B, K-1, 3P]: the window shifted by the token)."""
-    window = jnp.concatenate([conv_state, jnp.concatenate(qkv, axis=-1)[:, None].astype(conv_state.dtype)], axis=1)
+    window = kda_window(conv_state, tuple(y[:, None] for y in qkv))
     inputs = kda_inputs(window, conv_w, f[:, None], beta_logit[:, None], a_log, dt_bias, num_heads, lower_bound)
     return tuple(x[:, 0] for x in inputs), window[:, 1:]
 
