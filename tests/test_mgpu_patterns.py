@@ -230,30 +230,17 @@ def test_pattern_exports_for_cuda(pattern):
         jax.export.export(jax.jit(run), platforms=["cuda"])(*args)
 
 
-def test_heads_n_consumers_reduce_in_distinct_scratch(monkeypatch):
+def test_heads_n_consumers_reduce_in_distinct_scratch(reduction_scratch_offsets):
     """The fix itself, checked in the lowering (what the interpreter cannot show): in the K3
     heads_n attention, each consumer's cross-warp reductions (max and sum, down the token axis)
     use SMEM scratch at an address of its own; heads_m makes no cross-warp reduction."""
-    import jax.experimental.mosaic.gpu.fragmented_array as fa
-
     from pallas_kernels import mla_decode as mla
-    offsets = []
-    reduce = fa.FragmentedArray.reduce
-
-    def recording_reduce(self, op, axis, scratch=None):
-        if scratch is not None:         # a memref.view of dynamic SMEM at a constant byte offset
-            offsets.append(scratch.owner.opview.byte_shift.owner.opview.value.value)
-        return reduce(self, op, axis, scratch)
-    monkeypatch.setattr(fa.FragmentedArray, "reduce", recording_reduce)
 
     def lowered_offsets(case_name):
-        offsets.clear()
         case = next(c for c in mla.cases() if c.name == case_name)
         args = jax.eval_shape(case.make, jax.random.key(0))
         kwargs = {**dict(case.kwargs), **dict(case.kernel_kwargs)}
-        with mgpu.compile_for_gpu():
-            jax.export.export(jax.jit(lambda *a: mla.mla_decode(*a, **kwargs)), platforms=["cuda"])(*args)
-        return list(offsets)
+        return reduction_scratch_offsets(lambda *a: mla.mla_decode(*a, **kwargs), *args)
     heads_n = lowered_offsets("ctx1024_b1_heads_n")
     assert len(heads_n) == 4 and len(set(heads_n)) == 2, heads_n
     assert sorted(heads_n)[::2] == [min(heads_n), max(heads_n)]     # two reductions at each address
