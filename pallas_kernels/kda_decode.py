@@ -23,14 +23,9 @@ rule is a few broadcasts and two column reductions; o is rounded to bf16 where o
 place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
 held twice; before session 6 XLA copied every layer's state after the kernel). The
 gated RMSNorm (ops.gated_rms_norm) needs the head's whole o: with one split it runs in the
-kernel; with more, the kernel writes the rounded o and the same call runs after it in XLA, or,
-with `in_block`, a head's splits are the warpgroups of one block (grid (B, H)): they put their o
-columns together in SMEM and warpgroup 0 norms and stores the head (no XLA norm: at K3 batch 1
-on the H100 it was 2.7 of the op's 8.7 us, session 34). In one block the warpgroups reduce across
-their warps at once, so each does it in SMEM scratch of its own (`mgpu.own_reduction_scratch`),
-and the small inputs use the row layout (Mosaic cannot reduce `_dense`'s across warps with
-several warpgroups). The shifted conv window (3 x d channels of every row) is written once: part
-i (q, k, v) by split i % splits.
+kernel; with more, the kernel writes the rounded o and the same call runs after it in XLA. The
+shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
+i % splits.
 
 Mosaic GPU lowers only broadcasts it can lay out (no [d] -> [d, 1] expand_dims), so the
 delta-rule step is spelled with explicit broadcasts here, operation for operation as in
@@ -43,7 +38,8 @@ TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap th
 splits while the (sequence, head) pairs are fewer than the SMs (K3 b1: 96 pairs), else 2, whose
 halved register slab lets more programs stay resident. Splitting repeats the small inputs' work
 and reads (L2 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of
-bytes; 1 split runs it in the kernel, slower everywhere measured).
+bytes, but two launches: 2.7 of K3 batch 1's 8.7 us on an H100, session 34; 1 split runs it in
+the kernel, slower everywhere measured).
 
 The small inputs, not the slab's TMA, are the per-program cost: computed in the row layout the
 delta rule broadcasts (each of a thread's 4 channels in 4 lanes) every load and operation was
@@ -53,7 +49,8 @@ issued 4 times, hence `_dense`. `kda_decode(prep=...)` keeps the two-kernel form
 beta and the window from registers; then 4 splits) and "xla" (ops.kda_step_inputs as XLA ops, 5+
 launches; then 2 splits). The conv window is not updated in place (its bytes are the same either
 way). Measurements of every form and of what was tried and not kept (grouped prep programs, one
-launch of four-warpgroup blocks sharing the prep, 8 splits, streaming programs):
+launch of four-warpgroup blocks sharing the prep, 8 splits, streaming programs, a head's splits
+in one block with the gated norm inside):
 docs/pallas.md (`kda_decode`) and BENCHMARKS.md.
 """
 
@@ -114,28 +111,21 @@ def _vec(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _launch(body, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], *args, threads: int = 1,
-            thread_name: str | None = None):
-    """`body` as a Mosaic GPU kernel (Lane semantics) over `grid`: one warpgroup per program, or
-    `threads` warpgroups per block along axis `thread_name`."""
+def _launch(body, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], *args):
+    """`body` as a Mosaic GPU kernel (one warpgroup per program, Lane semantics) over `grid`."""
     return plgpu.kernel(
         body, out_type=out_type, grid=grid, grid_names=grid_names,
-        num_threads=threads if thread_name else None, thread_name=thread_name,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu.interpret_params(),
     )(*args)
 
 
-def _on_state(body, out_type, shape: tuple[int, int, int], *args, recurrent, in_block: bool = False):
-    """Runs `body` over programs (B, H, splits) - a grid, or with in_block the splits as warpgroups
-    of one block per (sequence, head) - with `recurrent` [B, H, d, d] float32 as its last operand,
-    a mutable ref the call aliases and updates in place (a donated decode state is neither copied
-    nor allocated twice) -> (body's outputs, new recurrent). The split index is axis "s" either way."""
+def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
+    """Runs `body` over grid (B, H, splits) with `recurrent` [B, H, d, d] float32 as its last
+    operand, a mutable ref the call aliases and updates in place (a donated decode state is
+    neither copied nor allocated twice) -> (body's outputs, new recurrent)."""
     state = jax.new_ref(recurrent)
-    if in_block:
-        out = _launch(body, out_type, shape[:2], ("b", "h"), *args, state, threads=shape[2], thread_name="s")
-    else:
-        out = _launch(body, out_type, shape, ("b", "h", "s"), *args, state)
+    out = _launch(body, out_type, grid, ("b", "h", "s"), *args, state)
     return out, jax.freeze(state)
 
 
@@ -146,17 +136,16 @@ def _dense(d: int):
     return plgpu.Layout.WG_STRIDED((d,), d // 128) if d % 128 == 0 else ROW
 
 
-def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int, dense: bool = True):
+def _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d: int):
     """Inside a kernel: the loads of ops.kda_step_inputs for sequence b, head h (head dim d) from the
     GMEM refs conv_state, qkv (q, k, v), conv_w (their filters), f, beta_logit, a_log, dt_bias -> a
     pytree for `_head_math`:
     per part (q, k, v channels) the K conv taps (bf16) and conv_w columns (f32), f and dt_bias [d],
-    all in `_dense`'s layout (or, dense=False, the row layout); a_log[h], beta_logit[b, h]
-    scalars. Issued apart from the math so that a program can start the next head's loads before
-    this head's math (`_prep_kernel`)."""
+    all in `_dense`'s layout; a_log[h], beta_logit[b, h] scalars. Issued apart from the math so
+    that a program can start the next head's loads before this head's math (`_prep_kernel`)."""
     km1, c3 = cs_g.shape[1:]
     p = c3 // 3
-    layout = _dense(d) if dense else ROW
+    layout = _dense(d)
 
     heads = pl.ds(h * d, d)
 
@@ -183,15 +172,14 @@ def _head_math(loaded, *, lower_bound: float | None):
 
 
 def _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem, b, h, cols, *,
-                 lower_bound: float | None, dense: bool = True):
-    """`_head_math` of `_head_loads` for sequence b, head h, computed in `_dense`'s layout (dense:
-    Mosaic reduces it across warps only in a kernel of one warpgroup; else the row layout) -> (q, k
+                 lower_bound: float | None):
+    """`_head_math` of `_head_loads` for sequence b, head h, computed in `_dense`'s layout -> (q, k
     [d] in the row layout, v[cols] in the column layout, decay [d] in the row layout, beta), as the
     delta rule takes them
     (through vec_smem [4, d] float32); the shifted window goes into win_smem [3 (q, k, v channels),
     K-1, d]."""
     d = win_smem.shape[-1]
-    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d, dense)
+    loaded = _head_loads(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, b, h, d)
     (q, k, v, decay, beta), window = _head_math(loaded, lower_bound=lower_bound)
     for i, rows in enumerate(window):
         for j, row in enumerate(rows):
@@ -266,56 +254,33 @@ def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
 
 
 def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-            *, num_heads: int, lower_bound: float | None, eps: float, splits: int, in_block: bool = False):
-    """-> (o [B, P] bf16: gated-normed if splits == 1 or in_block, else rounded before the norm,
-    new conv_state, new recurrent). in_block: the splits of a (sequence, head) are the warpgroups
-    of one block, which put their o columns together in SMEM for warpgroup 0 to norm and store."""
+            *, num_heads: int, lower_bound: float | None, eps: float, splits: int):
+    """-> (o [B, P] bf16: gated-normed if splits == 1, else rounded before the norm, new conv_state,
+    new recurrent)."""
     b_n, km1, c3 = conv_state.shape
     h_n, d = num_heads, recurrent.shape[-1]
     p = c3 // 3
     w = d // splits         # value columns per program
     bf16 = qkv[0].dtype
-    in_block = in_block and splits > 1
-    mine = lambda c: c if in_block else 0   # noqa: E731  (a program's slot in the SMEM below)
 
     def kda_decode_step(cs_g, *refs):
         qkv_g, cw_g, (f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g) = refs[:3], refs[3:6], refs[6:]
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
-        heads = pl.ds(h * d, d)
 
-        def scoped(s_all, o_smem, win_all, vec_all, bar_all, *o_bar):
-            if in_block:    # the warpgroups reduce across warps at once: each in scratch of its own
-                mgpu.own_reduction_scratch("s", splits, lambda: program(s_all, o_smem, win_all, vec_all, bar_all, *o_bar))
-            else:
-                program(s_all, o_smem, win_all, vec_all, bar_all)
-
-        def program(s_smem, o_smem, win_smem, vec_smem, bar, *o_bar):
-            s_smem, win_smem, vec_smem, bar = (x.at[mine(c)] for x in (s_smem, win_smem, vec_smem, bar))
+        def scoped(s_smem, o_smem, win_smem, vec_smem, bar):
             # The state's read is the step's cost: start it before anything else.
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
             # q, k, the decay and beta are per key channel (rows): every split computes them whole.
             q, k, v, decay, beta = _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem,
-                                                b, h, cols, lower_bound=lower_bound, dense=not in_block)
+                                                b, h, cols, lower_bound=lower_bound)
             plgpu.barrier_wait(bar)
-            norm = (_vec(gate_g.at[b, heads], COL), _vec(on_g, COL), eps)
-            _delta_rule(s_smem, q, k, v, decay, beta, o_smem.at[cols] if in_block else o_smem, bf16,
-                        norm=norm if splits == 1 else None)
+            heads = pl.ds(h * d, d)
+            _delta_rule(s_smem, q, k, v, decay, beta, o_smem, bf16,
+                        norm=(_vec(gate_g.at[b, heads], COL), _vec(on_g, COL), eps) if splits == 1 else None)
             plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
-            if in_block:
-                # Every split's o columns are in o_smem once all have arrived: the gated norm of
-                # the whole head, by warpgroup 0.
-                plgpu.barrier_arrive(o_bar[0])
-                plgpu.barrier_wait(o_bar[0])
-
-                @pl.when(c == 0)
-                def _():
-                    o_smem[...] = ops.gated_rms_norm(_vec(o_smem, COL), *norm)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, heads])
-            else:
-                plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
+            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
             for part in range(3):
                 @pl.when(c == part % splits)
@@ -323,12 +288,8 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
                     plgpu.copy_smem_to_gmem(win_smem.at[part], cs_out_g.at[b, :, pl.ds(part * p + h * d, d)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        n = splits if in_block else 1       # per-program SMEM: one slot each
-        pl.run_scoped(scoped, plgpu.SMEM((n, d, w), f32, transforms=_state_tiling(w)),
-                      plgpu.SMEM((d if in_block else w,), bf16), plgpu.SMEM((n, 3, km1, d), bf16),
-                      plgpu.SMEM((n, 4, d), f32), plgpu.Barrier(num_barriers=n),
-                      *([plgpu.Barrier(num_arrivals=splits)] if in_block else []),
-                      collective_axes="s" if in_block else ())
+        pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
+                      plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((4, d), f32), plgpu.Barrier())
 
     # The conv window is not updated in place: the splits of a head all read its taps while each
     # writes a part of the new window.
@@ -336,7 +297,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
         kda_decode_step,
         (jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
         (b_n, h_n, splits), conv_state, *qkv, *conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm,
-        recurrent=recurrent, in_block=in_block)
+        recurrent=recurrent)
     return o, conv, s
 
 
@@ -372,14 +333,12 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
-               prep: str = "fused", prep_group: int = 1, in_block: bool = False):
+               prep: str = "fused", prep_group: int = 1):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
     value-column split; prep (one of PREPS) where the conv, norms, decay and
     beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
     `_prep_kernel` (prep_group heads per program) and "xla" by XLA ops, both before a kernel
-    that does only the delta rule; in_block (prep "fused") runs a head's splits as the warpgroups
-    of one block, which finish the gated norm in the kernel. The overrides are for ablations and
-    benchmarks."""
+    that does only the delta rule. The overrides are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     if prep not in PREPS:
@@ -392,13 +351,10 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     sms = mgpu.num_sms()
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
-    if in_block and prep != "fused":
-        raise ValueError(f"kda_decode: in_block puts the fused kernel's splits in one block, but prep is {prep!r}")
     splits = splits or plan(f.shape[0], num_heads, sms, prep)
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                             num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits,
-                             in_block=in_block)
+                             num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
     else:
         if prep == "kernel":
             (q, k, v, decay, beta), conv = _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
@@ -409,7 +365,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
                                                            num_heads, lower_bound)
             decay = jnp.exp(g)
         o, s = _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, eps=eps, splits=splits)
-    if splits > 1 and not in_block:     # the norm needs the whole head's o, spread over `splits` programs
+    if splits > 1:      # the norm needs the whole head's o, spread over `splits` programs
         b, p = o.shape
         o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,
                                eps).reshape(b, p)
@@ -472,10 +428,6 @@ def cases() -> list[registry.Case]:
                                kernel_kwargs=kernel_kw)
                  for name, kernel_kw in (("kernel_prep", (("prep", "kernel"),)), ("xla_prep", (("prep", "xla"),)),
                                          ("kernel_prep_g2", (("prep", "kernel"), ("prep_group", 2))))]
-    # The default splits as warpgroups of one block, the gated norm in the kernel (batch 1: 4
-    # splits; batch 8: 2).
-    ablations += [registry.Case(f"in_block_k3_b{b}", _make(b, K3_HEADS, K3_D, K3_CONV), _kw(K3_HEADS), batch=b,
-                                sizes=big, kernel_kwargs=(("in_block", True),)) for b in (1, 8)]
     return small + k3 + kl + ablations
 
 

@@ -1,7 +1,6 @@
 """The Pallas (Mosaic GPU) KDA decode-step kernels against k3jax.ops.kda_decode, for every
 value-column split and every place the inputs are prepared (`prep`: in the fused kernel, by the
-prep kernel, by XLA), the fused kernel's splits as warpgroups of one block (`in_block`), and the
-prep kernel alone against k3jax.ops.kda_step_inputs: CPU interpret
+prep kernel, by XLA), and the prep kernel alone against k3jax.ops.kda_step_inputs: CPU interpret
 mode with race detection and NaN-poisoned memory (every output checked; both gate forms), CUDA
 lowering export of the K3 and Kimi-Linear-48B shapes on CPU, and the real kernels on a GPU."""
 
@@ -20,37 +19,30 @@ SPEC = registry.spec("kda_decode")
 SMALL = [c for c in SPEC.sweep("small") if not c.kernel_kwargs]   # the tests below pick the kernel
 K3 = [c for c in SPEC.sweep("k3") if not c.kernel_kwargs]       # the ablation cases pin a prep
 PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
-# (case, splits, prep, in_block): the fused kernel at every split, and at 2 and 4 in one block; the delta-rule-only kernel after XLA's
+# (case, splits, prep): the fused kernel at every split; the delta-rule-only kernel after XLA's
 # prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus gate
 # (the gate is XLA's formula before the kernel: the kernel is the same, the data differ); after the
 # prep kernel at one split per case (the delta-rule kernel is the same, so the splits rotate over
 # the cases); the fallback case ignores both.
 def _rotated(cases, prep):
-    return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep, False) for i, c in enumerate(cases)]
+    return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep) for i, c in enumerate(cases)]
 
 
 SOFTPLUS = [c for c in PREPPED if c.kw["lower_bound"] is None]
-SMALL_SPLITS = ([(c, s, "fused", False) for c in PREPPED for s in kd.SPLITS]
-                + [(c, s, "fused", True) for c in PREPPED for s in (2, 4)]
-                + [(c, s, "xla", False) for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
+SMALL_SPLITS = ([(c, s, "fused") for c in PREPPED for s in kd.SPLITS]
+                + [(c, s, "xla") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
                 + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel")
-                + [(c, None, "fused", False) for c in SMALL if c.name.startswith("fallback")])
+                + [(c, None, "fused") for c in SMALL if c.name.startswith("fallback")])
 
 
 def _ids(param):
-    return f"{param[0].name}-s{param[1]}-{param[2]}" + ("-in_block" if param[3] else "")
-
-
-def _kernel(param):
-    """kd.kda_decode with the param's splits, prep and in_block."""
-    _, splits, prep, in_block = param
-    return functools.partial(kd.kda_decode, splits=splits, prep=prep, in_block=in_block)
+    return f"{param[0].name}-s{param[1]}-{param[2]}"
 
 
 @pytest.mark.parametrize("param", SMALL_SPLITS, ids=_ids)
 def test_kda_decode_matches_reference_interpret(param):
-    case = param[0]
-    fn = _kernel(param)
+    case, splits, prep = param
+    fn = functools.partial(kd.kda_decode, splits=splits, prep=prep)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
     assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
@@ -77,8 +69,6 @@ def test_kda_decode_outputs_and_coverage():
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="triton")
     with pytest.raises(ValueError, match="prep_group=2 groups the prep kernel's heads, but prep is 'xla'"):
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="xla", prep_group=2)
-    with pytest.raises(ValueError, match="in_block puts the fused kernel's splits in one block, but prep is 'kernel'"):
-        kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="kernel", in_block=True)
 
 
 def _check_prep_kernel(case, seed, group=1):
@@ -149,39 +139,14 @@ def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, prep):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-# The splits as warpgroups of one block, K3 and Kimi-Linear-48B shapes.
-@pytest.mark.parametrize("splits", (2, 4))
-@pytest.mark.parametrize("b,heads,lower_bound", [(1, kd.K3_HEADS, -5.0), (8, kd.K3_HEADS, -5.0), (1, kd.KL_HEADS, None)])
-def test_kda_decode_in_block_cuda_export(b, heads, lower_bound, splits):
-    args = jax.eval_shape(lambda: kd._make(b, heads, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
-    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=heads, lower_bound=lower_bound, eps=1e-5, splits=splits,
-                                          in_block=True))
-    with mgpu.compile_for_gpu():
-        assert "mosaic_gpu" in jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
-
-
-@pytest.mark.parametrize("splits", (2, 4))
-def test_kda_in_block_warpgroups_reduce_in_distinct_scratch(reduction_scratch_offsets, splits):
-    """In one block the splits' cross-warp reductions (q and k's L2 norms in the row layout, the
-    delta rule's two column sums) run at once: each warpgroup's four use scratch of its own (one
-    shared address is a race on a GPU that interpret mode cannot see: heads_n, session 33)."""
-    args = jax.eval_shape(lambda: kd._make(1, kd.K3_HEADS, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
-    offsets = reduction_scratch_offsets(
-        lambda *a: kd.kda_decode(*a, num_heads=kd.K3_HEADS, lower_bound=-5.0, eps=1e-5, splits=splits,
-                                 in_block=True), *args)
-    assert len(offsets) == 4 * splits and len(set(offsets)) == splits, offsets
-    assert all(offsets.count(o) == 4 for o in offsets)
-
-
-# The real kernels: fused and XLA-prep at every split, fused in one block at 2 and 4, the prep
-# kernel at the default split (the delta-rule kernel after it is the XLA-prep one).
+# The real kernels: fused and XLA-prep at every split, the prep kernel at the default split (the
+# delta-rule kernel after it is the XLA-prep one).
 @pytest.mark.gpu
-@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x, False) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")]
-                         + [(c, s, "fused", True) for c in K3 for s in (2, 4)]
-                         + [(c, None, "kernel", False) for c in K3], ids=_ids)
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")]
+                         + [(c, None, "kernel") for c in K3], ids=_ids)
 def test_kda_decode_gpu(param):
-    case = param[0]
-    r = validate.check_case(SPEC, "pallas", _kernel(param), case, seed=5)
+    case, splits, prep = param
+    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, prep=prep), case, seed=5)
     assert r.passed, r
     assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
 
