@@ -196,7 +196,9 @@ def summary_table(result: dict) -> str:
     """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend (every
     backend present, xla first; torch rows from benchmarks/torch_reference.py --ops included),
     and the best k3jax kernel's speedup over XLA. A backend whose kernel did not take the case
-    (its reference ran: the row's `fallbacks`) shows "ref" instead and is left out of the speedup."""
+    (its reference ran: the row's `fallbacks`) shows "ref" instead; one whose outputs failed the
+    reference check keeps its time, marked "wrong" with its error against the tolerance of its run
+    (a later tolerance may differ: BENCHMARKS.md); both are left out of the speedup."""
     by_case: dict[tuple, dict] = {}
     for r in result["rows"]:
         if "device_s" not in r:
@@ -206,9 +208,14 @@ def summary_table(result: dict) -> str:
     head = "| op | case | batch | MB | " + " | ".join(f"{b} us (TB/s, % copy)" for b in backends) + " | best vs xla |"
     lines = [head, "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: |"]
     for (op, case, b), rs in by_case.items():
-        ran = {k: r for k, r in rs.items() if f"{op}/{k}" not in r.get("fallbacks", {})}
-        cells = [f"{ran[k]['device_s'] * 1e6:.1f} ({ran[k]['tb_per_s']:.2f}, {ran[k]['frac_copy_bw']:.0%})"
-                 if k in ran else "ref" if k in rs else "-" for k in backends]
+        timed = {k: r for k, r in rs.items() if f"{op}/{k}" not in r.get("fallbacks", {})}
+        cells = [f"{r['device_s'] * 1e6:.1f} ({r['tb_per_s']:.2f}, {r['frac_copy_bw']:.0%})" for r in timed.values()]
+        cells = dict(zip(timed, cells))
+        for k, r in timed.items():
+            if r.get("correct") is False:
+                cells[k] += f" wrong: err {r.get('error', float('nan')):.1e} > {r.get('tolerance', float('nan')):.1e}"
+        ran = {k: r for k, r in timed.items() if r.get("correct") is not False}
+        cells = [cells[k] if k in timed else "ref" if k in rs else "-" for k in backends]
         x = ran.get("xla")
         others = [r["device_s"] for k, r in ran.items() if k not in ("xla", "torch")]   # k3jax's kernels
         sp = f"{x['device_s'] / min(others):.2f}x" if x and others else "-"

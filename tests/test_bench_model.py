@@ -144,6 +144,21 @@ def test_report_drops_failed_attempts_of_measured_points(tmp_path):
     assert "ValueError: x" in table and "second line" not in table and "\ny" not in table
 
 
+def test_ops_table_marks_wrong_outputs_and_reference_runs():
+    """A timing whose outputs failed the reference check is marked "wrong" with its error and
+    tolerance; a backend whose reference ran shows "ref"; neither enters the speedup."""
+    row = {"op": "o", "batch": 1, "bytes": 1e6, "tb_per_s": 1.0, "frac_copy_bw": 0.5, "fallbacks": {}}
+    rows = [{**row, "case": "a", "backend": "xla", "device_s": 4e-6, "correct": True},
+            {**row, "case": "a", "backend": "pallas", "device_s": 1e-6, "correct": False, "error": 0.5,
+             "tolerance": 2 ** -6},
+            {**row, "case": "a", "backend": "cute", "device_s": 2e-6, "correct": True},
+            {**row, "case": "b", "backend": "xla", "device_s": 4e-6, "correct": True},
+            {**row, "case": "b", "backend": "pallas", "device_s": 1e-6, "correct": True, "fallbacks": {"o/pallas": 1}}]
+    lines = bench.summary_table({"rows": rows}).splitlines()
+    assert lines[2] == "| o | a | 1 | 1.0 | 4.0 (1.00, 50%) | 2.0 (1.00, 50%) | 1.0 (1.00, 50%) wrong: err 5.0e-01 > 1.6e-02 | 2.00x |"
+    assert lines[3] == "| o | b | 1 | 1.0 | 4.0 (1.00, 50%) | - | ref | - |"
+
+
 def test_model_sweep_ablation_rows(tmp_path):
     """--ablate OP=IMPL adds each configuration again with those ops replaced, labelled."""
     out = tmp_path / "model.json"
