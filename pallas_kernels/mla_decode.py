@@ -31,7 +31,7 @@ cache, 1152 B per token per sequence).
    consumer scoring for both (session 7), split scores (session 20), FlashAttention-3's
    ping-pong (session 19), FlashMLA's seesaw (session 22; patches in benchmarks/results/ab/) -
    and why: docs/pallas.md (mla_decode's design notes, "Not done yet") and BENCHMARKS.md.
-   `schedule="heads_n"` (`_attend_heads_n`, session 31; not yet correct on a GPU, see below) scores with the
+   `schedule="heads_n"` (`_attend_heads_n`, session 31; an ablation: slower, see below) scores with the
    heads on the wgmma's N side instead: groups of HEADS_N = 48 (K3's 96 heads: no padding), each
    consumer scoring half of them once (S^T [64 tokens, 24 heads], softmax down the token axis),
    the two swapping their rows of p and the rescale factors through SMEM once a tile; then each
@@ -42,8 +42,10 @@ cache, 1152 B per token per sequence).
    that Mosaic GPU puts at one address for every warpgroup: on the H100 (session 33) the two
    consumers raced on it (wrong, varying outputs; interpret mode does not model the scratch).
    Each consumer now reduces in scratch of its own (`mgpu.own_reduction_scratch`, entered by all
-   three warpgroups before they diverge); that form is validated on CPU and by CUDA export, and
-   not yet run on a GPU (its first form, a pad entered by one consumer only, hung there).
+   three warpgroups before they diverge; its first form, a pad entered by one consumer only, hung
+   on a GPU). Correct on the H100 since (session 34), but 9-16% slower than heads_m at 4k / 32k
+   tokens: its per-tile chain (small N = 24 wgmma, two cross-warp reductions, a two-consumer
+   barrier, the PV, each waited for) costs more than the MMA work it saves.
 3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
