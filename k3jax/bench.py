@@ -192,6 +192,14 @@ def bench_ops(ops: list[str], backends: list[str], batches: set[int], sizes: str
     return result
 
 
+def _time_cell(row: dict) -> str:
+    """An ops row's time, TB/s and fraction of the copy rate; marked if its outputs were wrong."""
+    cell = f"{row['device_s'] * 1e6:.1f} ({row['tb_per_s']:.2f}, {row['frac_copy_bw']:.0%})"
+    if row.get("correct") is False:
+        cell += f" wrong: err {row.get('error', float('nan')):.1e} > {row.get('tolerance', float('nan')):.1e}"
+    return cell
+
+
 def summary_table(result: dict) -> str:
     """Markdown rows: op/case, batch, then time and fraction of copy bandwidth per backend (every
     backend present, xla first; torch rows from benchmarks/torch_reference.py --ops included),
@@ -209,13 +217,8 @@ def summary_table(result: dict) -> str:
     lines = [head, "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in backends) + " | ---: |"]
     for (op, case, b), rs in by_case.items():
         timed = {k: r for k, r in rs.items() if f"{op}/{k}" not in r.get("fallbacks", {})}
-        cells = [f"{r['device_s'] * 1e6:.1f} ({r['tb_per_s']:.2f}, {r['frac_copy_bw']:.0%})" for r in timed.values()]
-        cells = dict(zip(timed, cells))
-        for k, r in timed.items():
-            if r.get("correct") is False:
-                cells[k] += f" wrong: err {r.get('error', float('nan')):.1e} > {r.get('tolerance', float('nan')):.1e}"
         ran = {k: r for k, r in timed.items() if r.get("correct") is not False}
-        cells = [cells[k] if k in timed else "ref" if k in rs else "-" for k in backends]
+        cells = [_time_cell(timed[k]) if k in timed else "ref" if k in rs else "-" for k in backends]
         x = ran.get("xla")
         others = [r["device_s"] for k, r in ran.items() if k not in ("xla", "torch")]   # k3jax's kernels
         sp = f"{x['device_s'] / min(others):.2f}x" if x and others else "-"
