@@ -30,16 +30,25 @@ def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
                       preferred_element_type=f32).astype(x.dtype)
 
 
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over the last axis: x [..., D] -> [..., D] float32, no weight."""
+def sum_squares(x: jax.Array, keepdims: bool = False) -> jax.Array:
+    """sum(x^2) over the last axis in float32: x [..., D] -> [...] (keepdims: [..., 1])."""
     xf = x.astype(f32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jnp.sum(xf * xf, axis=-1, keepdims=keepdims)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_normalize(x: jax.Array, eps: float, mean_sq: jax.Array | None = None) -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis: x [..., D] -> [..., D] float32, no weight.
+    mean_sq (float32, broadcastable to x): mean(x^2) over the whole normalised axis, for a kernel
+    holding a slice of it (the slices' `sum_squares` summed / the axis length); default from x."""
+    if mean_sq is None:
+        mean_sq = sum_squares(x, keepdims=True) / x.shape[-1]
+    return x.astype(f32) * jax.lax.rsqrt(mean_sq + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, mean_sq: jax.Array | None = None) -> jax.Array:
     """Hugging Face RMSNorm: x [..., D], weight [D] -> [..., D] in x's dtype (normalise in
-    float32, cast back, then scale by the weight cast to x's dtype)."""
-    return weight.astype(x.dtype) * rms_normalize(x, eps).astype(x.dtype)
+    float32, cast back, then scale by the weight cast to x's dtype). mean_sq: `rms_normalize`."""
+    return weight.astype(x.dtype) * rms_normalize(x, eps, mean_sq).astype(x.dtype)
 
 
 def sigmoid_gate(o: jax.Array, gate: jax.Array) -> jax.Array:
@@ -47,9 +56,11 @@ def sigmoid_gate(o: jax.Array, gate: jax.Array) -> jax.Array:
     return o * jax.nn.sigmoid(gate.astype(f32)).astype(o.dtype)
 
 
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """KDA output norm: x, gate [..., D], weight [D] -> sigmoid_gate(rms_norm(x), gate) [..., D] in x's dtype."""
-    return sigmoid_gate(rms_norm(x, weight, eps), gate)
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
+                   mean_sq: jax.Array | None = None) -> jax.Array:
+    """KDA output norm: x, gate [..., D], weight [D] -> sigmoid_gate(rms_norm(x), gate) [..., D] in
+    x's dtype. mean_sq: `rms_normalize`."""
+    return sigmoid_gate(rms_norm(x, weight, eps, mean_sq), gate)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -22,9 +22,11 @@ sits in registers in the wgmma layout (128 / splits f32 a thread at d = 128), wh
 rule is a few broadcasts and two column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
 place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
 held twice; before session 6 XLA copied every layer's state after the kernel). The
-gated RMSNorm (ops.gated_rms_norm) needs the head's whole o: with one split it runs in the
-kernel; with more, the kernel writes the rounded o and the same call runs after it in XLA. The
-shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
+gated RMSNorm (ops.gated_rms_norm) needs the mean square of the head's whole o: with one split it
+runs in the kernel; with more, either the head's splits run as one cluster (`_gated_norm`: each
+writes its slice's sum of squares to GMEM, `mgpu.cluster_sync`, each sums them in split order
+and norms its own columns) or the kernel writes the rounded o and the same call runs after it in
+XLA (`plan_norm` picks: session 35). The shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
 i % splits.
 
 Mosaic GPU lowers only broadcasts it can lay out (no [d] -> [d, 1] expand_dims), so the
@@ -37,9 +39,12 @@ Kimi-Linear-48B, H = 32: 4.2 MB, ~1 us), plus < 3% of small inputs. One program 
 TMA-in / compute / TMA-out chain, so the step needs several per SM to overlap them. `plan`: 4
 splits while the (sequence, head) pairs are fewer than the SMs (K3 b1: 96 pairs), else 2, whose
 halved register slab lets more programs stay resident. Splitting repeats the small inputs' work
-and reads (L2 hits) and, with splits > 1, adds a separate XLA norm (B x P bf16 read back: < 1% of
-bytes, but two launches: 2.7 of K3 batch 1's 8.7 us on an H100, session 34; 1 split runs it in
-the kernel, slower everywhere measured).
+and reads (L2 hits) and needs the norm's sums across programs. The XLA norm after the kernel
+reads B x P bf16 back (< 1% of bytes) but costs two launches: 2.7 of K3 batch 1's 8.7 us on an
+H100 (session 34). The cluster norm instead adds ~1.5 us of latency to the end of every program
+(the GMEM round trip and the barrier): at batch 1 (one wave) 9.5 against 10.7 us, from batch 8
+(several waves) 9-13% slower than the XLA norm (H100, session 35), hence `plan_norm`. 1 split
+(the norm in the kernel, no exchange) is slower everywhere measured.
 
 The small inputs, not the slab's TMA, are the per-program cost: computed in the row layout the
 delta rule broadcasts (each of a thread's 4 channels in 4 lanes) every load and operation was
@@ -48,9 +53,10 @@ issued 4 times, hence `_dense`. `kda_decode(prep=...)` keeps the two-kernel form
 `_head_loads` + `_head_math` one channel a thread and storing q, k, v, the exponentiated decay,
 beta and the window from registers; then 4 splits) and "xla" (ops.kda_step_inputs as XLA ops, 5+
 launches; then 2 splits). The conv window is not updated in place (its bytes are the same either
-way). Measurements of every form and of what was tried and not kept (grouped prep programs, one
-launch of four-warpgroup blocks sharing the prep, 8 splits, streaming programs, a head's splits
-in one block with the gated norm inside):
+way); the gated norm of either follows `norm` as the fused kernel's does. Measurements of every
+form and of what was tried and not kept (grouped prep programs, one launch of four-warpgroup
+blocks sharing the prep, 8 splits, streaming programs, a head's splits in one block with the
+gated norm inside):
 docs/pallas.md (`kda_decode`) and BENCHMARKS.md.
 """
 
@@ -72,6 +78,7 @@ ROW, COL = WGMMA.reduce(1), WGMMA.reduce(0)   # a vector along S's rows (key) / 
 f32 = jnp.float32
 SPLITS = (1, 2, 4)      # value-column splits the kernel takes (d / splits >= 16: one 64-byte row)
 PREPS = ("fused", "xla", "kernel")      # where the inputs are prepared (`kda_decode`; module doc)
+NORMS = ("cluster", "xla")      # where the gated norm runs with splits > 1 (`kda_decode`)
 # Splits from one (sequence, head) pair per SM (`plan`), by where the inputs are prepared: 2 in the
 # fused kernel (session 18) and after XLA's prep, 4 after the prep kernel (session 16: module doc).
 PREPPED_SPLITS = {"fused": 2, "xla": 2, "kernel": 4}
@@ -89,6 +96,13 @@ def plan(batch: int, heads: int, sms: int, prep: str = "fused") -> int:
     the (sequence, head) pairs are fewer than the SMs, else PREPPED_SPLITS of where the inputs are
     prepared."""
     return 4 if batch * heads < sms else PREPPED_SPLITS[prep]
+
+
+def plan_norm(batch: int, heads: int, sms: int) -> str:
+    """Where the gated norm runs with splits (one of NORMS), as measured on an H100 (session 35,
+    module doc): in the kernel ("cluster") while the (sequence, head) pairs are fewer than the SMs
+    (K3 batch 1: 9.5 vs 10.7 us), else after it ("xla": K3 batch 8-128 is 9-13% faster so)."""
+    return "cluster" if batch * heads < sms else "xla"
 
 
 def unsupported(conv_state, qkv, f, num_heads: int) -> str | None:
@@ -111,21 +125,27 @@ def _vec(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _launch(body, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], *args):
-    """`body` as a Mosaic GPU kernel (one warpgroup per program, Lane semantics) over `grid`."""
+def _launch(body, out_type, grid: tuple[int, ...], grid_names: tuple[str, ...], *args,
+            cluster: tuple[int, ...] = (), cluster_names: tuple[str, ...] = ()):
+    """`body` as a Mosaic GPU kernel (one warpgroup per program, Lane semantics) over `grid`
+    (clusters of `cluster` programs: grid x cluster programs in all)."""
     return plgpu.kernel(
-        body, out_type=out_type, grid=grid, grid_names=grid_names,
+        body, out_type=out_type, grid=grid, grid_names=grid_names, cluster=cluster, cluster_names=cluster_names,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=mgpu.interpret_params(),
     )(*args)
 
 
-def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent):
-    """Runs `body` over grid (B, H, splits) with `recurrent` [B, H, d, d] float32 as its last
-    operand, a mutable ref the call aliases and updates in place (a donated decode state is
-    neither copied nor allocated twice) -> (body's outputs, new recurrent)."""
+def _on_state(body, out_type, grid: tuple[int, int, int], *args, recurrent, cluster: bool):
+    """Runs `body` over programs (B, H, splits), axes "b", "h", "s", with `recurrent` [B, H, d, d]
+    float32 as its last operand, a mutable ref the call aliases and updates in place (a donated
+    decode state is neither copied nor allocated twice) -> (body's outputs, new recurrent).
+    `cluster`: a head's splits as one cluster of programs (`_gated_norm`)."""
     state = jax.new_ref(recurrent)
-    out = _launch(body, out_type, grid, ("b", "h", "s"), *args, state)
+    if cluster:
+        out = _launch(body, out_type, grid[:2], ("b", "h"), *args, state, cluster=grid[2:], cluster_names=("s",))
+    else:
+        out = _launch(body, out_type, grid, ("b", "h", "s"), *args, state)
     return out, jax.freeze(state)
 
 
@@ -234,10 +254,10 @@ def _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias, *, num_
     return tuple(inputs), conv
 
 
-def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
-    """ops.kda_recurrent_step on the [d (key), w (value)] float32 slab in s_smem (updated there):
-    decay, delta-rule rank-1 update, read-out with q, rounded to `dtype` where ops.kda_decode
-    rounds it (then, with norm = (gate, weight, eps), its gated RMSNorm), into o_smem.
+def _delta_rule(s_smem, q, k, v, decay, beta, dtype):
+    """ops.kda_recurrent_step on the [d (key), w (value)] float32 slab in s_smem (updated there and
+    committed for TMA): decay, delta-rule rank-1 update, read-out with q -> o [w] in the column
+    layout, rounded to `dtype` where ops.kda_decode rounds it.
     q, k, decay: [d] in the row layout; v: [w] in the column layout; beta: a scalar."""
     s = plgpu.load(s_smem, layout=WGMMA)
     s = s * _bcast(decay, s.shape, 0)
@@ -247,28 +267,68 @@ def _delta_rule(s_smem, q, k, v, decay, beta, o_smem, dtype, norm):
     s = s + kk * _bcast(u, s.shape, 1)
     o = jnp.sum(_bcast(q, s.shape, 0) * s, axis=0).astype(dtype)
     s_smem[...] = s
-    if norm is not None:    # the whole head's o is here: the gated norm fuses
-        o = ops.gated_rms_norm(o, *norm)
+    plgpu.commit_smem()
+    return o
+
+
+def _gated_norm(o, gate_g, on_g, eps: float, b, h, c, exchange):
+    """Inside a kernel: ops.gated_rms_norm of program (b, h, c)'s o [w] (column layout), value
+    columns c*w .. (c+1)*w of head h; gate_g [B, P], on_g [d] (the norm weight) in GMEM.
+    exchange None: o is the whole head (w = d). Else (sums_g [B, H, splits] float32 in GMEM, a
+    `mgpu.cluster_barrier`), the head's splits forming one cluster: each program writes its
+    `ops.sum_squares` to sums_g[b, h, c], the cluster syncs (mgpu.cluster_sync), and each adds
+    the head's splits up in split order (the same sum in every split: deterministic)."""
+    w = o.shape[0]
+    mean_sq = None
+    if exchange is not None:
+        sums_g, sync = exchange
+        sums_g[b, h, c] = ops.sum_squares(o)
+        mgpu.cluster_sync(sync)
+        total = sums_g[b, h, 0]
+        for j in range(1, sums_g.shape[-1]):
+            total = total + sums_g[b, h, j]
+        mean_sq = total / (w * sums_g.shape[-1])
+    d = on_g.shape[0]
+    return ops.gated_rms_norm(o, _vec(gate_g.at[b, pl.ds(h * d + c * w, w)], COL), _vec(on_g.at[pl.ds(c * w, w)], COL),
+                              eps, mean_sq=mean_sq)
+
+
+def _exchange_refs(b_n: int, h_n: int, splits: int, cluster: bool):
+    """What a head's cluster exchanges its sums of squares through (`_gated_norm`): (extra kernel
+    outputs: sums [B, H, splits] float32; scoped scratch: the cluster barrier), () without one."""
+    if not cluster:
+        return (), ()
+    return (jax.ShapeDtypeStruct((b_n, h_n, splits), f32),), (mgpu.cluster_barrier("s"),)
+
+
+def _finish(o, s_smem, o_smem, s_out, o_out, norm_args):
+    """Inside a delta-rule kernel after `_delta_rule`: the slab back to `s_out` (in place, TMA),
+    then o [w], gated-normed by `_gated_norm(o, *norm_args)` unless norm_args is None, to o_out."""
+    plgpu.copy_smem_to_gmem(s_smem, s_out)          # first: the norm's exchange overlaps it
+    if norm_args is not None:
+        o = _gated_norm(o, *norm_args)
     o_smem[...] = o
     plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_out)
 
 
 def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-            *, num_heads: int, lower_bound: float | None, eps: float, splits: int):
-    """-> (o [B, P] bf16: gated-normed if splits == 1, else rounded before the norm, new conv_state,
-    new recurrent)."""
+            *, num_heads: int, lower_bound: float | None, eps: float, splits: int, cluster: bool):
+    """-> (o [B, P] bf16, new conv_state, new recurrent); o gated-normed with one split or with
+    `cluster` (a head's splits exchange their sums of squares), else rounded before the norm."""
     b_n, km1, c3 = conv_state.shape
     h_n, d = num_heads, recurrent.shape[-1]
     p = c3 // 3
     w = d // splits         # value columns per program
     bf16 = qkv[0].dtype
+    sums_type, sync_type = _exchange_refs(b_n, h_n, splits, cluster)
 
     def kda_decode_step(cs_g, *refs):
-        qkv_g, cw_g, (f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g) = refs[:3], refs[3:6], refs[6:]
+        qkv_g, cw_g, (f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, *sums_g) = refs[:3], refs[3:6], refs[6:]
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
-        def scoped(s_smem, o_smem, win_smem, vec_smem, bar):
+        def scoped(s_smem, o_smem, win_smem, vec_smem, bar, *sync):
             # The state's read is the step's cost: start it before anything else.
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
 
@@ -276,11 +336,9 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             q, k, v, decay, beta = _head_inputs(cs_g, qkv_g, cw_g, f_g, bl_g, alog_g, dtb_g, win_smem, vec_smem,
                                                 b, h, cols, lower_bound=lower_bound)
             plgpu.barrier_wait(bar)
-            heads = pl.ds(h * d, d)
-            _delta_rule(s_smem, q, k, v, decay, beta, o_smem, bf16,
-                        norm=(_vec(gate_g.at[b, heads], COL), _vec(on_g, COL), eps) if splits == 1 else None)
-            plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place: this program's slab
-            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
+            o = _delta_rule(s_smem, q, k, v, decay, beta, bf16)
+            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if splits == 1 or cluster else None
+            _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)], norm_args)
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
             for part in range(3):
                 @pl.when(c == part % splits)
@@ -289,60 +347,66 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
-                      plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((4, d), f32), plgpu.Barrier())
+                      plgpu.SMEM((3, km1, d), bf16), plgpu.SMEM((4, d), f32), plgpu.Barrier(), *sync_type)
 
     # The conv window is not updated in place: the splits of a head all read its taps while each
     # writes a part of the new window.
-    (o, conv), s = _on_state(
+    (o, conv, *_), s = _on_state(
         kda_decode_step,
-        (jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
+        (jax.ShapeDtypeStruct((b_n, p), bf16), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype), *sums_type),
         (b_n, h_n, splits), conv_state, *qkv, *conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm,
-        recurrent=recurrent)
+        recurrent=recurrent, cluster=cluster)
     return o, conv, s
 
 
-def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, splits: int):
+def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, splits: int, cluster: bool):
     """The delta rule alone, on prepared inputs (ops.kda_step_inputs): q, k, v, decay [B, H, d]
-    float32, beta [B, H] float32, gate [B, P] -> (o [B, P] bf16, gated-normed if splits == 1,
+    float32, beta [B, H] float32, gate [B, P] -> (o [B, P] bf16, gated-normed as `_kernel`'s,
     new recurrent, in place)."""
     b_n, h_n, d = q.shape
     w = d // splits
     bf16 = gate.dtype
+    sums_type, sync_type = _exchange_refs(b_n, h_n, splits, cluster)
 
-    def kda_state_step(q_g, k_g, v_g, dec_g, beta_g, gate_g, on_g, s_g, o_g):
+    def kda_state_step(q_g, k_g, v_g, dec_g, beta_g, gate_g, on_g, s_g, o_g, *sums_g):
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
-        def scoped(s_smem, o_smem, bar):
+        def scoped(s_smem, o_smem, bar, *sync):
             plgpu.copy_gmem_to_smem(s_g.at[b, h, :, cols], s_smem, bar)
             qv, kv, dv = (_vec(x.at[b, h], ROW) for x in (q_g, k_g, dec_g))
             vv = _vec(v_g.at[b, h, cols], COL)
             plgpu.barrier_wait(bar)
-            norm = (_vec(gate_g.at[b, pl.ds(h * d, d)], COL), _vec(on_g, COL), eps) if splits == 1 else None
-            _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], o_smem, bf16, norm)
-            plgpu.copy_smem_to_gmem(s_smem, s_g.at[b, h, :, cols])      # in place
-            plgpu.copy_smem_to_gmem(o_smem, o_g.at[b, pl.ds(h * d + c * w, w)])
+            o = _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], bf16)
+            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if splits == 1 or cluster else None
+            _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)], norm_args)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
-                      plgpu.Barrier())
+                      plgpu.Barrier(), *sync_type)
 
-    return _on_state(kda_state_step, jax.ShapeDtypeStruct((b_n, h_n * d), bf16), (b_n, h_n, splits),
-                     q, k, v, decay, beta, gate, o_norm, recurrent=recurrent)
+    (o, *_), s = _on_state(kda_state_step, (jax.ShapeDtypeStruct((b_n, h_n * d), bf16), *sums_type),
+                           (b_n, h_n, splits), q, k, v, decay, beta, gate, o_norm, recurrent=recurrent, cluster=cluster)
+    return o, s
 
 
 def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
                *, num_heads: int, lower_bound: float | None, eps: float, splits: int | None = None,
-               prep: str = "fused", prep_group: int = 1):
+               prep: str = "fused", prep_group: int = 1, norm: str | None = None):
     """Same contract as k3jax.ops.kda_decode. splits (one of SPLITS; default `plan`) overrides the
     value-column split; prep (one of PREPS) where the conv, norms, decay and
     beta (ops.kda_step_inputs) are computed: "fused" inside the one kernel, "kernel" by
     `_prep_kernel` (prep_group heads per program) and "xla" by XLA ops, both before a kernel
-    that does only the delta rule. The overrides are for ablations and benchmarks."""
+    that does only the delta rule; norm (one of NORMS; default `plan_norm`) where the gated RMSNorm
+    runs with more than one split: "cluster" in the kernel (a head's splits one cluster, exchanging
+    their sums of squares), "xla" after it (one split always norms in the kernel). The overrides
+    are for ablations and benchmarks."""
     if splits is not None and splits not in SPLITS:
         raise ValueError(f"kda_decode: splits={splits!r}; the kernel takes one of {SPLITS}")
     if prep not in PREPS:
         raise ValueError(f"kda_decode: prep={prep!r}; choose one of {PREPS}")
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"kda_decode: norm={norm!r}; choose one of {NORMS}")
     why = unsupported(conv_state, qkv, f, num_heads)
     if why is not None:
         return registry.fallback("kda_decode", "pallas", why)(
@@ -352,9 +416,10 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
     if prep_group != 1 and prep != "kernel":
         raise ValueError(f"kda_decode: prep_group={prep_group} groups the prep kernel's heads, but prep is {prep!r}")
     splits = splits or plan(f.shape[0], num_heads, sms, prep)
+    cluster = splits > 1 and (norm or plan_norm(f.shape[0], num_heads, sms)) == "cluster"
     if prep == "fused":
         o, conv, s = _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm, recurrent,
-                             num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits)
+                             num_heads=num_heads, lower_bound=lower_bound, eps=eps, splits=splits, cluster=cluster)
     else:
         if prep == "kernel":
             (q, k, v, decay, beta), conv = _prep_kernel(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
@@ -364,8 +429,8 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
             (q, k, v, g, beta), conv = ops.kda_step_inputs(conv_state, qkv, conv_w, f, beta_logit, a_log, dt_bias,
                                                            num_heads, lower_bound)
             decay = jnp.exp(g)
-        o, s = _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, eps=eps, splits=splits)
-    if splits > 1:      # the norm needs the whole head's o, spread over `splits` programs
+        o, s = _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, eps=eps, splits=splits, cluster=cluster)
+    if splits > 1 and not cluster:      # the norm needs the whole head's o, spread over `splits` programs
         b, p = o.shape
         o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,
                                eps).reshape(b, p)
@@ -428,6 +493,9 @@ def cases() -> list[registry.Case]:
                                kernel_kwargs=kernel_kw)
                  for name, kernel_kw in (("kernel_prep", (("prep", "kernel"),)), ("xla_prep", (("prep", "xla"),)),
                                          ("kernel_prep_g2", (("prep", "kernel"), ("prep_group", 2))))]
+    # The gated norm where `plan_norm` does not put it: by XLA at batch 1, in the kernel at batch 8.
+    ablations += [registry.Case(f"{norm}_norm_k3_b{b}", _make(b, K3_HEADS, K3_D, K3_CONV), _kw(K3_HEADS), batch=b,
+                                sizes=big, kernel_kwargs=(("norm", norm),)) for norm, b in (("xla", 1), ("cluster", 8))]
     return small + k3 + kl + ablations
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 H200_SMS = 132
@@ -147,3 +148,31 @@ def own_reduction_scratch(thread_axis: str, threads: int, body: Callable[[], Non
             pl.run_scoped(lambda _pad: nest(i + 1), plgpu.SMEM((pad,), jnp.int8), collective_axes=thread_axis)
         pl.when(thread == i)(body)
     nest(0)
+
+
+def cluster_barrier(axis: str) -> plgpu.ClusterBarrier:
+    """Scratch for `cluster_sync` over the kernel's cluster axis `axis`."""
+    return plgpu.ClusterBarrier(collective_axes=(axis,))
+
+
+def cluster_sync(barrier) -> None:
+    """Inside a kernel launched in clusters (one warpgroup a block): returns once every block of
+    this block's cluster has reached the same call, with all their earlier writes (GMEM or SMEM)
+    visible here. Call it once per kernel, from every thread.
+
+    Compiled: the hardware cluster barrier, `barrier.cluster.arrive.release` then
+    `barrier.cluster.wait.acquire` (PTX's pattern for data one block writes and another reads).
+    Not plgpu's ClusterBarrier: it arrives on a peer's mbarrier with the default .cta-scope
+    release, which orders nothing for a thread of another block. Interpret mode cannot run inline
+    PTX: there `barrier` (from `cluster_barrier`) stands in, arrived at on every peer and waited
+    for, and the race detector checks the exchange against it."""
+    if interpret_params() is not None:
+        plgpu.barrier_arrive(barrier)
+        plgpu.barrier_wait(barrier)
+        return
+
+    @plgpu.inline_mgpu()
+    def barrier_cluster(ctx):
+        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
+                              has_side_effects=True, convergent=True)
+    barrier_cluster()

@@ -1,8 +1,10 @@
 """The Pallas (Mosaic GPU) KDA decode-step kernels against k3jax.ops.kda_decode, for every
-value-column split and every place the inputs are prepared (`prep`: in the fused kernel, by the
-prep kernel, by XLA), and the prep kernel alone against k3jax.ops.kda_step_inputs: CPU interpret
-mode with race detection and NaN-poisoned memory (every output checked; both gate forms), CUDA
-lowering export of the K3 and Kimi-Linear-48B shapes on CPU, and the real kernels on a GPU."""
+value-column split, every place the inputs are prepared (`prep`: in the fused kernel, by the
+prep kernel, by XLA) and both places of the gated norm with splits (`norm`: in the kernel, the
+head's splits exchanging their sums of squares as one cluster; by XLA after it), and the prep
+kernel alone against k3jax.ops.kda_step_inputs: CPU interpret mode with race detection and
+NaN-poisoned memory (every output checked; both gate forms), CUDA lowering export of the K3 and
+Kimi-Linear-48B shapes on CPU, and the real kernels on a GPU."""
 
 import functools
 
@@ -19,30 +21,38 @@ SPEC = registry.spec("kda_decode")
 SMALL = [c for c in SPEC.sweep("small") if not c.kernel_kwargs]   # the tests below pick the kernel
 K3 = [c for c in SPEC.sweep("k3") if not c.kernel_kwargs]       # the ablation cases pin a prep
 PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
-# (case, splits, prep): the fused kernel at every split; the delta-rule-only kernel after XLA's
-# prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus gate
-# (the gate is XLA's formula before the kernel: the kernel is the same, the data differ); after the
-# prep kernel at one split per case (the delta-rule kernel is the same, so the splits rotate over
-# the cases); the fallback case ignores both.
+# (case, splits, prep, norm): the fused kernel at every split; the delta-rule-only kernel after
+# XLA's prep at every split for the lower-bound gate (d 64 and 128), at one split for the softplus
+# gate (the gate is XLA's formula before the kernel: the kernel is the same, the data differ);
+# after the prep kernel at one split per case (the delta-rule kernel is the same, so the splits
+# rotate over the cases); all with the norm in the kernel, and the XLA norm after each kernel at
+# 2 and 4 splits for one case; the fallback case ignores all three.
 def _rotated(cases, prep):
-    return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep) for i, c in enumerate(cases)]
+    return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep, "cluster") for i, c in enumerate(cases)]
 
 
 SOFTPLUS = [c for c in PREPPED if c.kw["lower_bound"] is None]
-SMALL_SPLITS = ([(c, s, "fused") for c in PREPPED for s in kd.SPLITS]
-                + [(c, s, "xla") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
+SMALL_SPLITS = ([(c, s, "fused", "cluster") for c in PREPPED for s in kd.SPLITS]
+                + [(c, s, "xla", "cluster") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
                 + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel")
-                + [(c, None, "fused") for c in SMALL if c.name.startswith("fallback")])
+                + [(PREPPED[i], s, prep, "xla") for i, prep in enumerate(kd.PREPS) for s in (2, 4)]
+                + [(c, None, "fused", "cluster") for c in SMALL if c.name.startswith("fallback")])
 
 
 def _ids(param):
-    return f"{param[0].name}-s{param[1]}-{param[2]}"
+    case, splits, prep, norm = param
+    return f"{case.name}-s{splits}-{prep}" + ("-xla_norm" if norm == "xla" else "")
+
+
+def _kernel(param):
+    """(case, the kernel's kda_decode) of a test parameter."""
+    case, splits, prep, norm = param
+    return case, functools.partial(kd.kda_decode, splits=splits, prep=prep, norm=norm)
 
 
 @pytest.mark.parametrize("param", SMALL_SPLITS, ids=_ids)
 def test_kda_decode_matches_reference_interpret(param):
-    case, splits, prep = param
-    fn = functools.partial(kd.kda_decode, splits=splits, prep=prep)
+    case, fn = _kernel(param)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
     assert r.passed, r
     assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
@@ -69,6 +79,21 @@ def test_kda_decode_outputs_and_coverage():
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="triton")
     with pytest.raises(ValueError, match="prep_group=2 groups the prep kernel's heads, but prep is 'xla'"):
         kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, prep="xla", prep_group=2)
+    with pytest.raises(ValueError, match="norm='block'; choose one of"):
+        kd.kda_decode(*args, num_heads=2, lower_bound=-5.0, eps=1e-5, norm="block")
+
+
+@pytest.mark.parametrize("prep", ["fused", "xla"])
+def test_split_norm_exchange_needs_the_cluster_sync(prep, monkeypatch):
+    """The evidence that the race detector sees the splits' exchange of sums of squares: without
+    the cluster sync between writing and reading them it flags a race (and with it, none: the
+    interpret test above)."""
+    case = next(c for c in PREPPED if c.name == "b2_h3_d128")
+    monkeypatch.setattr(mgpu, "cluster_sync", lambda barrier: None)
+    fn = functools.partial(kd.kda_decode, splits=4, prep=prep)
+    with mgpu.race_detection():
+        validate.check_case(SPEC, "pallas", fn, case, seed=3, repeats=1)
+        assert mgpu.races_found()
 
 
 def _check_prep_kernel(case, seed, group=1):
@@ -121,6 +146,8 @@ def test_kda_decode_plan():
     assert [kd.plan(b, kd.KL_HEADS, 132) for b in (1, 4, 5, 8, 67)] == [4, 4, 2, 2, 2]
     assert [kd.plan(8, kd.K3_HEADS, 132, prep) for prep in kd.PREPS] == [2, 2, 4]
     assert kd.plan(1, kd.K3_HEADS, 132, "xla") == 4             # fewer pairs than SMs: whatever the prep
+    # Session 35 (H100): the norm in the kernel (a cluster per head) below one pair per SM only.
+    assert [kd.plan_norm(b, kd.K3_HEADS, 132) for b in (1, 2, 8)] == ["cluster", "xla", "xla"]
 
 
 # K3 (lower-bound gate, 96 heads) and Kimi-Linear-48B (softplus decay, 32 heads), every split;
@@ -139,14 +166,29 @@ def test_kda_decode_cuda_export(b, heads, d, lower_bound, splits, prep):
     assert "mosaic_gpu" in exported.mlir_module()
 
 
-# The real kernels: fused and XLA-prep at every split, the prep kernel at the default split (the
-# delta-rule kernel after it is the XLA-prep one).
+@pytest.mark.parametrize("norm", kd.NORMS)
+@pytest.mark.parametrize("splits", kd.SPLITS)
+def test_kda_decode_cuda_export_cluster_sync(splits, norm):
+    """The compiled exchange syncs with the hardware cluster barrier's release / acquire form
+    (mgpu.cluster_sync), exactly when a head's splits norm in the kernel."""
+    args = jax.eval_shape(lambda: kd._make(1, kd.K3_HEADS, kd.K3_D, kd.K3_CONV)(jax.random.key(0)))
+    fn = jax.jit(lambda *a: kd.kda_decode(*a, num_heads=kd.K3_HEADS, lower_bound=-5.0, eps=1e-5, splits=splits,
+                                          norm=norm))
+    with mgpu.compile_for_gpu():
+        module = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+    synced = "barrier.cluster.arrive.release.aligned" in module and "barrier.cluster.wait.acquire.aligned" in module
+    assert synced == (splits > 1 and norm == "cluster")
+
+
+# The real kernels: fused and XLA-prep at every split and both norms, the prep kernel at the
+# default split (the delta-rule kernel after it is the XLA-prep one).
 @pytest.mark.gpu
-@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")]
-                         + [(c, None, "kernel") for c in K3], ids=_ids)
+@pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x, n) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")
+                                                  for n in kd.NORMS if s > 1 or n == "cluster"]
+                         + [(c, None, "kernel", "cluster") for c in K3], ids=_ids)
 def test_kda_decode_gpu(param):
-    case, splits, prep = param
-    r = validate.check_case(SPEC, "pallas", functools.partial(kd.kda_decode, splits=splits, prep=prep), case, seed=5)
+    case, fn = _kernel(param)
+    r = validate.check_case(SPEC, "pallas", fn, case, seed=5)
     assert r.passed, r
     assert r.kernel_ran != case.name.startswith("fallback"), r.fallbacks
 
