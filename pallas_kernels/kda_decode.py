@@ -17,17 +17,17 @@ short conv + SiLU (ops.conv_taps, the reference's formula) of the head's q, k an
 norms (ops.l2_normalize), the decay (ops.log_decay: K3's lower-bound gate or Kimi-Linear's
 softplus form) and beta (`_head_inputs` = `_head_math` of `_head_loads`, the two pieces the
 ablation's prep kernel below shares), one channel a thread (`_dense`) and moved to the row / column
-layouts the delta rule broadcasts through SMEM. The slab then
-sits in registers in the wgmma layout (128 / splits f32 a thread at d = 128), where the delta
-rule is a few broadcasts and two column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back to GMEM by TMA, in
-place: the state is a mutable ref the call aliases (a donated decode state is neither copied nor
-held twice; before session 6 XLA copied every layer's state after the kernel). The
-gated RMSNorm (ops.gated_rms_norm) needs the mean square of the head's whole o: with one split it
-runs in the kernel; with more, either the head's splits run as one cluster (`_gated_norm`: each
-writes its slice's sum of squares to GMEM, `mgpu.cluster_sync`, each sums them in split order
-and norms its own columns) or the kernel writes the rounded o and the same call runs after it in
-XLA (`plan_norm` picks: session 35). The shifted conv window (3 x d channels of every row) is written once: part i (q, k, v) by split
-i % splits.
+layouts the delta rule broadcasts through SMEM. The slab then sits in registers in the wgmma
+layout (128 / splits f32 a thread at d = 128), where the delta rule is a few broadcasts and two
+column reductions; o is rounded to bf16 where ops.kda_decode rounds it, and the slab goes back
+to GMEM by TMA, in place: the state is a mutable ref the call aliases (a donated decode state is
+neither copied nor held twice; before session 6 XLA copied every layer's state after the
+kernel). The gated RMSNorm (ops.gated_rms_norm) needs the mean square of the head's whole o:
+with one split it runs in the kernel; with more, either the head's splits run as one cluster
+(`_gated_norm`: each writes its slice's sum of squares to GMEM, `mgpu.cluster_sync`, each sums
+them in split order and norms its own columns) or the kernel writes the rounded o and the same
+call runs after it in XLA (`plan_norm` picks: session 35). The shifted conv window (3 x d
+channels of every row) is written once: part i (q, k, v) by split i % splits.
 
 Mosaic GPU lowers only broadcasts it can lay out (no [d] -> [d, 1] expand_dims), so the
 delta-rule step is spelled with explicit broadcasts here, operation for operation as in
@@ -324,7 +324,8 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     sums_type, sync_type = _exchange_refs(b_n, h_n, splits, cluster)
 
     def kda_decode_step(cs_g, *refs):
-        qkv_g, cw_g, (f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, *sums_g) = refs[:3], refs[3:6], refs[6:]
+        qkv_g, cw_g = refs[:3], refs[3:6]
+        f_g, bl_g, gate_g, alog_g, dtb_g, on_g, s_g, o_g, cs_out_g, *sums_g = refs[6:]
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
         cols = pl.ds(c * w, w)
 
@@ -379,7 +380,8 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
             plgpu.barrier_wait(bar)
             o = _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], bf16)
             norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if splits == 1 or cluster else None
-            _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)], norm_args)
+            _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)],
+                    norm_args)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(scoped, plgpu.SMEM((d, w), f32, transforms=_state_tiling(w)), plgpu.SMEM((w,), bf16),
