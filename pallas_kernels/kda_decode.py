@@ -56,7 +56,7 @@ launches; then 2 splits). The conv window is not updated in place (its bytes are
 way); the gated norm of either follows `norm` as the fused kernel's does. Measurements of every
 form and of what was tried and not kept (grouped prep programs, one launch of four-warpgroup
 blocks sharing the prep, 8 splits, streaming programs, a head's splits in one block with the
-gated norm inside):
+gated norm inside, the cluster norm's exchange through DSMEM):
 docs/pallas.md (`kda_decode`) and BENCHMARKS.md.
 """
 
