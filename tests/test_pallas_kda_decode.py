@@ -26,7 +26,7 @@ PREPPED = [c for c in SMALL if not c.name.startswith("fallback")]
 # gate (the gate is XLA's formula before the kernel: the kernel is the same, the data differ);
 # after the prep kernel at one split per case (the delta-rule kernel is the same, so the splits
 # rotate over the cases); all with the norm in the kernel, and the XLA norm after each kernel at
-# 2 and 4 splits for one case; the fallback case ignores all three.
+# 2 and 4 splits for one case; the fallback case ignores all three (None: the defaults).
 def _rotated(cases, prep):
     return [(c, kd.SPLITS[i % len(kd.SPLITS)], prep, "cluster") for i, c in enumerate(cases)]
 
@@ -36,7 +36,7 @@ SMALL_SPLITS = ([(c, s, "fused", "cluster") for c in PREPPED for s in kd.SPLITS]
                 + [(c, s, "xla", "cluster") for c in PREPPED if c not in SOFTPLUS for s in kd.SPLITS]
                 + _rotated(SOFTPLUS, "xla") + _rotated(PREPPED, "kernel")
                 + [(PREPPED[i], s, prep, "xla") for i, prep in enumerate(kd.PREPS) for s in (2, 4)]
-                + [(c, None, "fused", "cluster") for c in SMALL if c.name.startswith("fallback")])
+                + [(c, None, "fused", None) for c in SMALL if c.name.startswith("fallback")])
 
 
 def _ids(param):
@@ -181,11 +181,11 @@ def test_kda_decode_cuda_export_cluster_sync(splits, norm):
 
 
 # The real kernels: fused and XLA-prep at every split and both norms, the prep kernel at the
-# default split (the delta-rule kernel after it is the XLA-prep one).
+# default split and norm (the delta-rule kernel after it is the XLA-prep one).
 @pytest.mark.gpu
 @pytest.mark.parametrize("param", SMALL_SPLITS + [(c, s, x, n) for c in K3 for s in kd.SPLITS for x in ("fused", "xla")
                                                   for n in kd.NORMS if s > 1 or n == "cluster"]
-                         + [(c, None, "kernel", "cluster") for c in K3], ids=_ids)
+                         + [(c, None, "kernel", None) for c in K3], ids=_ids)
 def test_kda_decode_gpu(param):
     case, fn = _kernel(param)
     r = validate.check_case(SPEC, "pallas", fn, case, seed=5)
