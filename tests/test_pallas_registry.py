@@ -117,6 +117,17 @@ def test_parity_plans_isolate_one_op():
         assert {o: i for o, i in plan.describe().items() if i != "xla"} == {op: "pallas"}
 
 
+def test_parity_failure_says_why():
+    """The three ways a whole-model parity row fails, as session 35's k3-small GPU runs showed them
+    (BENCHMARKS.md): a flip the margin does not explain, a systematic error, one selection flip."""
+    row = dict(unexplained_flips=[], logit_rel_err=0.01, median_rel_err=3e-3, per_step_rel_err=[3e-3, 0.01])
+    assert validate.parity_failure(row, tol=0.256) is None
+    flip = {**row, "logit_rel_err": 0.40, "per_step_rel_err": [3e-3, 0.40, 5e-3]}
+    assert "the max alone (step 1)" in validate.parity_failure(flip, tol=0.256)
+    assert "systematic" in validate.parity_failure({**flip, "median_rel_err": 0.02}, tol=0.256)
+    assert "steps [7]" in validate.parity_failure({**row, "unexplained_flips": [7]}, tol=0.256)
+
+
 @pytest.mark.slow
 def test_every_pallas_kernel_runs_in_the_whole_model(tmp_path, monkeypatch):
     """`validate --model` on k3-small: every decode op runs its Pallas kernel in interpret mode on
