@@ -5,8 +5,9 @@ heads_n passed in interpret mode but not compiled (session 33, H100): the interp
 neither swizzled SMEM, register layouts nor Mosaic's cross-warp reduction scratch, so each
 pattern is isolated here. The culprit was the scratch: two warpgroups reducing down M at once
 race on it unless each has its own (`mgpu.own_reduction_scratch`; session 34 reproduced the race
-on an H100 without it and saw the fixed kernels right). Shapes are K3's: a 64-token tile scored against 24 of a 48-head
-group's q rows (N = 24), p of [64 heads, 64 tokens] bf16 in 128-byte-swizzled SMEM.
+on an H100 without it and saw the fixed kernels right). Shapes are K3's: a 64-token tile scored
+against 24 of a 48-head group's q rows (N = 24), p of [64 heads, 64 tokens] bf16 in
+128-byte-swizzled SMEM.
 """
 
 import jax
