@@ -293,6 +293,12 @@ def _gated_norm(o, gate_g, on_g, eps: float, b, h, c, exchange):
                               eps, mean_sq=mean_sq)
 
 
+def _norms_in_kernel(splits: int, cluster: bool) -> bool:
+    """Whether the delta-rule kernel applies the gated norm itself: one split holds the whole head;
+    a cluster of splits exchanges their sums of squares (`_gated_norm`). Else XLA norms after it."""
+    return splits == 1 or cluster
+
+
 def _exchange_refs(b_n: int, h_n: int, splits: int, cluster: bool):
     """What a head's cluster exchanges its sums of squares through (`_gated_norm`): (extra kernel
     outputs: sums [B, H, splits] float32; scoped scratch: the cluster barrier), () without one."""
@@ -322,6 +328,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
     w = d // splits         # value columns per program
     bf16 = qkv[0].dtype
     sums_type, sync_type = _exchange_refs(b_n, h_n, splits, cluster)
+    norm_here = _norms_in_kernel(splits, cluster)
 
     def kda_decode_step(cs_g, *refs):
         qkv_g, cw_g = refs[:3], refs[3:6]
@@ -338,7 +345,7 @@ def _kernel(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_norm
                                                 b, h, cols, lower_bound=lower_bound)
             plgpu.barrier_wait(bar)
             o = _delta_rule(s_smem, q, k, v, decay, beta, bf16)
-            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if splits == 1 or cluster else None
+            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if norm_here else None
             _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)], norm_args)
             # The window's three parts (q, k, v channels) go out once, spread over the splits.
             for part in range(3):
@@ -368,6 +375,7 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
     w = d // splits
     bf16 = gate.dtype
     sums_type, sync_type = _exchange_refs(b_n, h_n, splits, cluster)
+    norm_here = _norms_in_kernel(splits, cluster)
 
     def kda_state_step(q_g, k_g, v_g, dec_g, beta_g, gate_g, on_g, s_g, o_g, *sums_g):
         b, h, c = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("s")
@@ -379,7 +387,7 @@ def _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, *, eps: float, 
             vv = _vec(v_g.at[b, h, cols], COL)
             plgpu.barrier_wait(bar)
             o = _delta_rule(s_smem, qv, kv, vv, dv, beta_g[b, h], bf16)
-            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if splits == 1 or cluster else None
+            norm_args = (gate_g, on_g, eps, b, h, c, (*sums_g, *sync) or None) if norm_here else None
             _finish(o, s_smem, o_smem, s_g.at[b, h, :, cols], o_g.at[b, pl.ds(h * d + c * w, w)],
                     norm_args)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -432,7 +440,7 @@ def kda_decode(conv_state, qkv, conv_w, f, beta_logit, gate, a_log, dt_bias, o_n
                                                            num_heads, lower_bound)
             decay = jnp.exp(g)
         o, s = _state_kernel(q, k, v, decay, beta, gate, o_norm, recurrent, eps=eps, splits=splits, cluster=cluster)
-    if splits > 1 and not cluster:      # the norm needs the whole head's o, spread over `splits` programs
+    if not _norms_in_kernel(splits, cluster):      # the norm needs the whole head's o, spread over `splits` programs
         b, p = o.shape
         o = ops.gated_rms_norm(o.reshape(b, num_heads, -1), gate.reshape(b, num_heads, -1), o_norm,
                                eps).reshape(b, p)
