@@ -65,29 +65,3 @@ def tiny_model():
             cache[name] = k3jax.from_pretrained(name, dtype="float32", seed=0)
         return cache[name]
     return get
-
-
-@pytest.fixture
-def reduction_scratch_offsets(monkeypatch):
-    """offsets(fn, *args) -> the SMEM byte offset of the scratch each cross-warp reduction in the
-    Mosaic GPU kernels of jax.jit(fn)(*args) uses, in lowering order (CUDA export on CPU): what
-    shows whether warpgroups reducing at once share scratch (`mgpu.own_reduction_scratch`), which
-    the interpreter cannot."""
-    import jax.experimental.mosaic.gpu.fragmented_array as fa
-
-    from pallas_kernels import mgpu
-    offsets = []
-    reduce = fa.FragmentedArray.reduce
-
-    def recording_reduce(self, op, axis, scratch=None):
-        if scratch is not None:         # a memref.view of dynamic SMEM at a constant byte offset
-            offsets.append(scratch.owner.opview.byte_shift.owner.opview.value.value)
-        return reduce(self, op, axis, scratch)
-    monkeypatch.setattr(fa.FragmentedArray, "reduce", recording_reduce)
-
-    def lowered(fn, *args):
-        offsets.clear()
-        with mgpu.compile_for_gpu():
-            jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
-        return list(offsets)
-    return lowered

@@ -232,6 +232,31 @@ def test_pattern_exports_for_cuda(pattern):
         jax.export.export(jax.jit(run), platforms=["cuda"])(*args)
 
 
+@pytest.fixture
+def reduction_scratch_offsets(monkeypatch):
+    """offsets(fn, *args) -> the SMEM byte offset of the scratch each cross-warp reduction in the
+    Mosaic GPU kernels of jax.jit(fn)(*args) uses, in lowering order (CUDA export on CPU): what
+    shows whether warpgroups reducing at once share scratch (`mgpu.own_reduction_scratch`), which
+    the interpreter cannot."""
+    import jax.experimental.mosaic.gpu.fragmented_array as fa
+
+    offsets = []
+    reduce = fa.FragmentedArray.reduce
+
+    def recording_reduce(self, op, axis, scratch=None):
+        if scratch is not None:         # a memref.view of dynamic SMEM at a constant byte offset
+            offsets.append(scratch.owner.opview.byte_shift.owner.opview.value.value)
+        return reduce(self, op, axis, scratch)
+    monkeypatch.setattr(fa.FragmentedArray, "reduce", recording_reduce)
+
+    def lowered(fn, *args):
+        offsets.clear()
+        with mgpu.compile_for_gpu():
+            jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+        return list(offsets)
+    return lowered
+
+
 def test_heads_n_consumers_reduce_in_distinct_scratch(reduction_scratch_offsets):
     """The fix itself, checked in the lowering (what the interpreter cannot show): in the K3
     heads_n attention, each consumer's cross-warp reductions (max and sum, down the token axis)
