@@ -7,12 +7,14 @@ Two Mosaic GPU kernels:
     together (TMA, `emit_pipeline`, tiles from `linear.k_tiles`) against the token rows and
     multiplies them swap-AB like `linear` (weights on the wgmma M side, rows padded to 8 on N),
     into two float32 accumulators. The epilogue applies ops.glu (the reference formula, on the
-    registers) to the bf16-rounded projections, as the reference does, and writes h [I, Np] bf16.
+    registers) to the bf16-rounded projections, as the reference does, and writes h [Np, I] bf16
+    (each tile stored transposed, `mgpu.store_transposed`; until session 36 [I, Np], which XLA
+    transposed for the down projection: one launch more).
     The GLU needs the full dot products, so the input dimension is not split: the dense MLP
     (I = 33792) is 528 programs = 4 whole waves on 132 SMs; the shared experts (I = 6144) are
     96 programs, 73% of the SMs. More than 128 rows are cut into row blocks of <= 128 (two float32
     accumulators of [64, 128] are 128 registers a thread), which reads the weights once per block.
-  * down: `linear.linear` (split-K swap-AB GEMV + XLA epilogue) on h transposed to [rows, I].
+  * down: `linear.linear` (split-K swap-AB GEMV + XLA epilogue) on h's real rows.
 h costs 2 * rows * I bytes written and read back; at K3 shapes that is < 0.1% of the weight bytes
 at batch 1 (and 1.5% at batch 128).
 
@@ -66,7 +68,8 @@ def row_blocks(rows: int) -> tuple[int, int]:
 
 def _gate_up(xp: jax.Array, w_gate: jax.Array, w_up: jax.Array, block_n: int, *,
              act: str, beta: float, linear_beta: float | None) -> jax.Array:
-    """h [I, Np] bf16 = glu(w_gate @ xp.T, w_up @ xp.T), xp [Np, D] bf16 (Np = blocks * block_n)."""
+    """h [Np, I] bf16 = glu(xp @ w_gate.T, xp @ w_up.T), xp [Np, D] bf16 (Np = blocks * block_n): each
+    block's [64, block_n] tile stored transposed (token-major, as the down projection reads it)."""
     n_pad, din = xp.shape
     inter = w_gate.shape[0]
     bo = lin.BLOCK_OUT
@@ -100,10 +103,10 @@ def _gate_up(xp: jax.Array, w_gate: jax.Array, w_up: jax.Array, block_n: int, *,
         # The reference's formula on registers: bf16 projections (as ops.linear returns them).
         h = ops.glu(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), act, beta, linear_beta)
 
-        mgpu.store_tile(h, h_g.at[rows, cols])
+        mgpu.store_transposed(h, h_g.at[cols, rows])
 
     return plgpu.kernel(
-        gated_mlp_kernel, out_type=jax.ShapeDtypeStruct((inter, n_pad), jnp.bfloat16),
+        gated_mlp_kernel, out_type=jax.ShapeDtypeStruct((n_pad, inter), jnp.bfloat16),
         grid=(inter // bo, n_pad // block_n), grid_names=("o", "n"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(xp, w_gate, w_up)
@@ -120,7 +123,7 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     block_n, blocks = row_blocks(rows)
     xp = jnp.pad(x.reshape(rows, d), ((0, block_n * blocks - rows), (0, 0)))
     h = _gate_up(xp, w_gate, w_up, block_n, act=act, beta=beta, linear_beta=linear_beta)
-    return lin.linear(h.T[:rows], w_down).reshape(*lead, d)
+    return lin.linear(h[:rows], w_down).reshape(*lead, d)
 
 
 registry.register("gated_mlp", "pallas", gated_mlp)

@@ -7,6 +7,10 @@ streamed GMEM -> SMEM by TMA in a multi-stage `emit_pipeline`. Every weight byte
 once per call; that read is the whole cost at decode, so the grid is sized for bandwidth:
 out/64 tiles times a split of the input dimension chosen to fill every SM in whole waves. Each
 split writes a float32 partial [S, tiles * 64, N]; a tiny XLA epilogue sums, transposes and casts.
+With one split (and out a multiple of 64) there is no epilogue: each warpgroup stores its tile
+transposed, the real rows only, in x's dtype, into the result [rows, out] (`mgpu.store_transposed`;
+before session 36 a float32 [tiles * 64, N] went out and back through XLA: at 128 rows, lm_head's
+84 MB written and read again).
 When out is not a multiple of 64 (K3's 96-row KDA beta projection), the last tile reads the
 weight's last 64 rows, overlapping the tile before it, and the epilogue keeps only its new rows.
 
@@ -100,30 +104,37 @@ def accumulate_rows(acc_ref, w_rows, x_rows, block_k: int, stages: int) -> None:
     )(w_rows, x_rows)
 
 
-def _partials(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: int) -> jax.Array:
-    """float32 partial products [splits, tiles * 64, N] of W @ xp.T, xp [N, in] bf16 (N % 8 == 0):
-    tile t holds W rows min(64 t, out - 64) + 0..63."""
+def _products(xp: jax.Array, w: jax.Array, block_k: int, stages: int, splits: int,
+              rows: int | None = None, dtype=None) -> jax.Array:
+    """W @ xp.T for xp [N, in] bf16 (N % 8 == 0). Given the real `rows` and a 16-bit `dtype`, one
+    split of whole 64-row tiles (out % 64 == 0) gives the result itself, [rows, out] in `dtype`,
+    each tile stored transposed (`mgpu.store_transposed`: no epilogue). Else float32 partials
+    [splits, tiles * 64, N] for the caller to sum; tile t holds W rows min(64 t, out - 64) + 0..63."""
     n, din = xp.shape
     out = w.shape[0]
     tiles = -(-out // BLOCK_OUT)
     k_per = din // splits
+    final = dtype is not None and jnp.dtype(dtype).itemsize == 2 and splits == 1 and out % BLOCK_OUT == 0
 
     def linear_gemv(x_gmem, w_gmem, o_gmem):
         oi, si = jax.lax.axis_index("o"), jax.lax.axis_index("s")
         k_slice = pl.ds(si * k_per, k_per)
-        rows = pl.ds(jnp.minimum(oi * BLOCK_OUT, out - BLOCK_OUT), BLOCK_OUT)
+        w_rows = pl.ds(jnp.minimum(oi * BLOCK_OUT, out - BLOCK_OUT), BLOCK_OUT)
 
         def acc_scope(acc_ref):
-            accumulate_rows(acc_ref, w_gmem.at[rows, k_slice], x_gmem.at[:, k_slice], block_k, stages)
+            accumulate_rows(acc_ref, w_gmem.at[w_rows, k_slice], x_gmem.at[:, k_slice], block_k, stages)
             return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_OUT, n)))
+        if final:
+            mgpu.store_transposed(acc, o_gmem.at[:, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
+        else:
+            mgpu.store_tile(acc, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
 
-        mgpu.store_tile(acc, o_gmem.at[si, pl.ds(oi * BLOCK_OUT, BLOCK_OUT)])
-
+    out_type = (jax.ShapeDtypeStruct((rows, out), dtype) if final
+                else jax.ShapeDtypeStruct((splits, tiles * BLOCK_OUT, n), jnp.float32))
     return plgpu.kernel(
-        linear_gemv, out_type=jax.ShapeDtypeStruct((splits, tiles * BLOCK_OUT, n), jnp.float32),
-        grid=(tiles, splits), grid_names=("o", "s"),
+        linear_gemv, out_type=out_type, grid=(tiles, splits), grid_names=("o", "s"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(xp, w)
 
@@ -142,7 +153,10 @@ def linear(x: jax.Array, weight: jax.Array, *, min_rows: int = KERNEL_MIN_ROWS) 
     n = max(8, -(-rows // 8) * 8)
     xp = jnp.pad(x.reshape(rows, din), ((0, n - rows), (0, 0)))
     block_k, stages, splits = plan(n, out, din, mgpu.num_sms())
-    part = _partials(xp, weight, block_k, stages, splits).sum(0)
+    y = _products(xp, weight, block_k, stages, splits, rows, x.dtype)
+    if y.ndim == 2:                                 # the result itself (one split)
+        return y.reshape(*lead, out)
+    part = y.sum(0)
     last = (out // BLOCK_OUT) * BLOCK_OUT          # the overlapping last tile's first new row
     if last < out:
         part = jnp.concatenate([part[:last], part[part.shape[0] - (out - last):]])

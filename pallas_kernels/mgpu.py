@@ -119,6 +119,25 @@ def store_tile(value: jax.Array, dst) -> None:
     pl.run_scoped(scoped, plgpu.SMEM(value.shape, value.dtype))
 
 
+def store_transposed(value: jax.Array, dst) -> None:
+    """Inside a kernel: writes the register tile `value` [R, N] (a swap-AB accumulator: output
+    features x token rows), transposed and in dst's dtype, to the GMEM ref `dst` [n, R], n <= N:
+    the first n token rows only (the padding rows a wgmma needs never leave the SM). Through a
+    scoped SMEM buffer [N, R] written via its transposed view, then one TMA store. dst is 16-bit:
+    Mosaic GPU (jax 0.11.2) finds no register layout for a transposed float32 store."""
+    if jnp.dtype(dst.dtype).itemsize != 2:
+        raise ValueError(f"store_transposed: dst is {dst.dtype}; a transposed store takes a 16-bit dtype")
+    r, n_pad = value.shape
+    n = dst.shape[0]
+
+    def scoped(smem):
+        smem.transpose((1, 0))[...] = value.astype(dst.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem if n == n_pad else smem.at[pl.ds(0, n)], dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    pl.run_scoped(scoped, plgpu.SMEM((n_pad, r), dst.dtype))
+
+
 def warpgroup_params() -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 

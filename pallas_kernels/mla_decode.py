@@ -50,7 +50,9 @@ cache, 1152 B per token per sequence).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
    block), batch rows (padded to 8) the N side, C streamed by TMA in 128-column steps; grid
-   (V / 64, head).
+   (V / 64, head). Each block stores its tile transposed, the real batch rows only, into the
+   op's bf16 output [B, H, V] (session 36: before, a float32 [H, V, Bn] went out and XLA
+   transposed, sliced and cast it, one more launch).
 
 Covered: bf16, C % 128 == 0 (C / 2 <= 256), R % 64 == 0, L % 64 == 0 (`covers()`; anything else
 runs the reference). The absorption kernel needs N % 64 == 0 (N = 16 / 32 interpret but do not compile), the expansion
@@ -483,9 +485,10 @@ def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
                          scratch, own_reduction_scratch=True)
 
 
-def _expand(o_t, w_kv_b, n: int):
-    """o_t [H, Bn, C] bf16 (Bn % 8 == 0, <= 256), w_kv_b [H*(N+V), C] -> [H, V, Bn] float32:
-    o_lat @ W_uv.T per head, swap-AB (W_uv rows are the wgmma's M side)."""
+def _expand(o_t, w_kv_b, n: int, rows: int):
+    """o_t [H, Bn, C] bf16 (Bn % 8 == 0, <= 256), w_kv_b [H*(N+V), C] -> out [rows, H, V] in o_t's
+    dtype (rows <= Bn real batch rows): o_lat @ W_uv.T per head, swap-AB (W_uv rows are the wgmma's
+    M side), each [64, Bn] tile stored transposed into out (`mgpu.store_transposed`)."""
     h, bn, c = o_t.shape
     nv = w_kv_b.shape[0] // h
     v = nv - n
@@ -498,10 +501,11 @@ def _expand(o_t, w_kv_b, n: int):
             lin.accumulate_rows(acc_ref, w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[hi], BLOCK_K, stages)
             return acc_ref[...]
 
-        mgpu.store_tile(pl.run_scoped(acc_scope, plgpu.ACC((64, bn), f32)), out_gmem.at[hi, pl.ds(vi * 64, 64)])
+        mgpu.store_transposed(pl.run_scoped(acc_scope, plgpu.ACC((64, bn), f32)),
+                              out_gmem.at[:, hi, pl.ds(vi * 64, 64)])
 
     return plgpu.kernel(
-        mla_expand, out_type=jax.ShapeDtypeStruct((h, v, bn), f32),
+        mla_expand, out_type=jax.ShapeDtypeStruct((rows, h, v), o_t.dtype),
         grid=(v // 64, h), grid_names=("v", "h"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
     )(o_t, w_kv_b)
@@ -552,7 +556,7 @@ def mla_decode(q_nope, q_rope, cache, w_kv_b, kv_len, scale, *, splits: int | No
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):
         o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(cache.dtype), ((0, 0), (0, bn - b), (0, 0)))
-        return _expand(o_t, w_kv_b, n).transpose(2, 0, 1)[:b].astype(q_nope.dtype)
+        return _expand(o_t, w_kv_b, n, b)
     return ops.mla_expand_output(o_lat, w_kv_b, n, q_nope.dtype)
 
 

@@ -115,7 +115,7 @@ def route(x, weight, bias, *, top_k: int, activation: str, renormalize: bool,
     e = weight.shape[0]
     n = max(8, -(-rows // 8) * 8)
     xp = jnp.pad(x, ((0, n - rows), (0, 0)))
-    part = lin._partials(xp, weight, *lin.plan(n, e, din, mgpu.num_sms()))
+    part = lin._products(xp, weight, *lin.plan(n, e, din, mgpu.num_sms()))
     e_pad = -(-e // LANE) * LANE
     # Padding experts score sigmoid(-inf) = 0 and choose -inf: never picked while k <= E.
     logits = jnp.pad(part.sum(0).T[:rows], ((0, 0), (0, e_pad - e)), constant_values=-jnp.inf)

@@ -102,3 +102,28 @@ def test_one_row_runs_xlas_gemv():
     assert "linear_gemv" not in hlo(x, w)
     assert "linear_gemv" in hlo(x, w, min_rows=1)
     assert "linear_gemv" in hlo(jnp.concatenate([x, x]), w)
+
+
+def test_one_split_stores_the_result_itself():
+    """With one K split of whole 64-row tiles the kernel writes the bf16 result [rows, out] itself,
+    the real rows only (`mgpu.store_transposed`: no XLA epilogue); K splits, a partial last tile or
+    float32 (the router's logits) give float32 partials [S, tiles * 64, N] to sum."""
+    x, w = lin._make(5, 128, 512)(jax.random.key(3))
+    xp = jnp.pad(x, ((0, 3), (0, 0)))
+    block_k, stages, splits = lin.plan(8, 128, 512, mgpu.H200_SMS)
+    assert splits == 1
+    with mgpu.race_detection():
+        y = lin._products(xp, w, block_k, stages, 1, rows=5, dtype=jnp.bfloat16)
+        assert not mgpu.races_found()
+    assert y.shape == (5, 128) and y.dtype == jnp.bfloat16
+    assert registry.relative_max_error(y, ops.linear(x, w)) <= 2.0 ** -7
+    assert lin._products(xp, w, block_k, stages, 1).shape == (1, 128, 8)                        # no dtype
+    assert lin._products(xp, w, block_k, stages, 1, rows=5, dtype=jnp.float32).shape == (1, 128, 8)
+    assert lin._products(xp, w, block_k, stages, 2, rows=5, dtype=jnp.bfloat16).shape == (2, 128, 8)
+
+
+def test_store_transposed_takes_16_bit_only():
+    """Mosaic GPU finds no layout for a transposed float32 store: refused with a clear error."""
+    dst = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    with pytest.raises(ValueError, match="16-bit"):
+        mgpu.store_transposed(jnp.zeros((64, 8), jnp.float32), dst)
