@@ -46,7 +46,9 @@ cache, 1152 B per token per sequence).
    on a GPU). Correct on the H100 since (session 34), but 9-16% slower than heads_m at 4k / 32k
    tokens: its per-tile chain (small N = 24 wgmma, two cross-warp reductions, a two-consumer
    barrier, the PV, each waited for) costs more than the MMA work it saves.
-3. XLA: log-sum-exp combine of the splits -> o_lat [H, Bn, C] bf16 (one fusion).
+3. XLA: log-sum-exp combine of the splits -> o_lat [B, Hp, C] bf16, padded to Bn rows where B is
+   not a multiple of 8 (session 36: the expansion reads each head's rows strided, in place; before,
+   a transpose to [H, Bn, C] was one more launch at every batch).
 4. `_expand`: out = o_lat @ W_uv.T per head (k3jax.ops.mla_expand_output) by
    pallas_kernels.linear's swap-AB step (`accumulate_rows`): W_uv rows are the M side (64 a
    block), batch rows (padded to 8) the N side, C streamed by TMA in 128-column steps; grid
@@ -485,12 +487,13 @@ def _attend_heads_n(q_lat, q_rope, cache, kv_len, scale: float, splits: int):
                          scratch, own_reduction_scratch=True)
 
 
-def _expand(o_t, w_kv_b, n: int, rows: int):
-    """o_t [H, Bn, C] bf16 (Bn % 8 == 0, <= 256), w_kv_b [H*(N+V), C] -> out [rows, H, V] in o_t's
-    dtype (rows <= Bn real batch rows): o_lat @ W_uv.T per head, swap-AB (W_uv rows are the wgmma's
-    M side), each [64, Bn] tile stored transposed into out (`mgpu.store_transposed`)."""
-    h, bn, c = o_t.shape
-    nv = w_kv_b.shape[0] // h
+def _expand(o_lat, w_kv_b, n: int, heads: int, rows: int):
+    """o_lat [Bn, Hq, C] bf16 (Bn % 8 == 0, <= 256; Hq >= heads, the padding heads unread), w_kv_b
+    [heads*(N+V), C] -> out [rows, heads, V] in o_lat's dtype (rows <= Bn real batch rows): o_lat @
+    W_uv.T per head, swap-AB (W_uv rows are the wgmma's M side; a head's o_lat rows, strided in
+    GMEM, its N side), each [64, Bn] tile stored transposed into out (`mgpu.store_transposed`)."""
+    bn, _, c = o_lat.shape
+    nv = w_kv_b.shape[0] // heads
     v = nv - n
     stages = lin.stages_fitting(bn, BLOCK_K, min(3, c // BLOCK_K))     # 256 rows: 2 (3 took 240 KB)
 
@@ -498,17 +501,17 @@ def _expand(o_t, w_kv_b, n: int, rows: int):
         vi, hi = jax.lax.axis_index("v"), jax.lax.axis_index("h")
 
         def acc_scope(acc_ref):
-            lin.accumulate_rows(acc_ref, w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[hi], BLOCK_K, stages)
+            lin.accumulate_rows(acc_ref, w_gmem.at[pl.ds(hi * nv + n + vi * 64, 64)], o_gmem.at[:, hi], BLOCK_K, stages)
             return acc_ref[...]
 
         mgpu.store_transposed(pl.run_scoped(acc_scope, plgpu.ACC((64, bn), f32)),
                               out_gmem.at[:, hi, pl.ds(vi * 64, 64)])
 
     return plgpu.kernel(
-        mla_expand, out_type=jax.ShapeDtypeStruct((rows, h, v), o_t.dtype),
-        grid=(v // 64, h), grid_names=("v", "h"),
+        mla_expand, out_type=jax.ShapeDtypeStruct((rows, heads, v), o_lat.dtype),
+        grid=(v // 64, heads), grid_names=("v", "h"),
         compiler_params=mgpu.warpgroup_params(), interpret=mgpu.interpret_params(),
-    )(o_t, w_kv_b)
+    )(o_lat, w_kv_b)
 
 
 # schedule -> (attention kernel, heads a block)
@@ -552,12 +555,12 @@ def mla_decode(q_nope, q_rope, cache, w_kv_b, kv_len, scale, *, splits: int | No
     elif splits < 1 or tiles % splits:
         raise ValueError(f"mla_decode: splits={splits} does not divide the cache's {tiles} tiles of {BLOCK_L} tokens")
     o, m, l = attend(q_lat, qr, cache, kv_len.astype(jnp.int32), scale, splits)
-    o_lat = _combine(o, m, l)[:, :h]                                               # [B, H, C] float32
     bn = -(-b // 8) * 8         # the expansion's wgmma N: batch rows padded to 8
     if bf16_w and _expand_covers(v, c, bn):
-        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(cache.dtype), ((0, 0), (0, bn - b), (0, 0)))
-        return _expand(o_t, w_kv_b, n, b)
-    return ops.mla_expand_output(o_lat, w_kv_b, n, q_nope.dtype)
+        # Padding the inputs instead (zero rows) costs the combine 8x its work at one row (H100, session 36).
+        o_lat = jnp.pad(_combine(o, m, l).astype(cache.dtype), ((0, bn - b), (0, 0), (0, 0)))
+        return _expand(o_lat, w_kv_b, n, h, b)
+    return ops.mla_expand_output(_combine(o, m, l)[:, :h], w_kv_b, n, q_nope.dtype)
 
 
 registry.register("mla_decode", "pallas", mla_decode)

@@ -120,15 +120,30 @@ def test_absorb_and_expand_kernels_interpret(batch, c):
         q_lat, qr = mla._absorb(jnp.pad(q_nope, pad), jnp.pad(q_rope, pad), w_kv_b, 64)
         o_lat = jax.random.normal(jax.random.key(2), (b, h, c), jnp.float32)
         bn = -(-b // 8) * 8
-        o_t = jnp.pad(o_lat.transpose(1, 0, 2).astype(jnp.bfloat16), ((0, 0), (0, bn - b), (0, 0)))
-        out = mla._expand(o_t, w_kv_b, n, b)
+        o_pad = jnp.pad(o_lat.astype(jnp.bfloat16), ((0, bn - b), (0, 3), (0, 0)))     # + 3 padding heads
+        out = mla._expand(o_pad, w_kv_b, n, h, b)
         jax.block_until_ready((q_lat, qr, out))
         assert not mgpu.races_found()
     ref = ops.mla_absorb_query(q_nope, w_kv_b).astype(jnp.bfloat16)
     # Same float32 products, other summation order: at most one bf16 ulp apart.
     assert registry.relative_max_error(q_lat[:b, :h], ref) <= 2.0 ** -7
     np.testing.assert_array_equal(np.asarray(qr[:b, :h]), np.asarray(q_rope))
-    ref_out = ops.mla_expand_output(o_t[:, :b].astype(jnp.float32).transpose(1, 0, 2), w_kv_b, n, jnp.float32)
+    ref_out = ops.mla_expand_output(o_pad[:b, :h].astype(jnp.float32), w_kv_b, n, jnp.float32)
     # float32 sums stored as bf16 [B, H, V], the real rows only: one rounding, half a bf16 ulp
     assert out.shape == (b, h, v) and out.dtype == jnp.bfloat16
     assert registry.relative_max_error(out, ref_out) <= 2.0 ** -8
+
+
+def test_combine_weights_the_splits():
+    """`_combine` is the log-sum-exp combine of the splits: here against a direct float32 softmax
+    over two splits, one of them fully masked for the first sequence (weight 0)."""
+    s, b, hp, c = 2, 3, 4, 8
+    ks = jax.random.split(jax.random.key(7), 3)
+    o = jax.random.normal(ks[0], (s, b, hp, c), jnp.float32).astype(jnp.bfloat16)
+    m = jax.random.normal(ks[1], (s, b, hp), jnp.float32).at[1, 0].set(mla.MASKED)
+    l = jax.random.uniform(ks[2], (s, b, hp), jnp.float32, 0.5, 2.0).at[1, 0].set(0.0)
+    got = mla._combine(o, m, l)
+    w = np.exp2(np.asarray(m) - np.asarray(m).max(0)) * np.asarray(l)
+    want = (w[..., None] * np.asarray(o, np.float32)).sum(0) / w.sum(0)[..., None]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(o[0, 0], np.float32), rtol=1e-6)
