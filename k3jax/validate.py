@@ -15,13 +15,14 @@ after a random prompt; every other backend then decodes the same token sequence 
 forcing), so its logits are compared step by step on identical inputs: max |logit difference|
 relative to the largest reference logit and whether its greedy token equals XLA's at every step.
 If it does at every step, that backend's free-running greedy decode reproduces XLA's tokens
-exactly. Control rows (XLA with its router weights nudged by one float32 ulp; XLA in float32 where
-its float32 copy fits the device, or as `--float32-floor` / `--no-float32-floor` say) set two
-tolerances, each max(2^-7, 2 x the controls'): one for the max step, one for the median step.
-On a random-weight model one expert-selection flip moves the max (and the same code's max moves
-between processes), a systematic kernel error moves the median; a failing row says which
-(`parity_failure`). `--per-op` runs each kernel alone on top of XLA instead, which attributes a
-whole-backend difference to an op.
+exactly. Control rows set the tolerances: XLA with its router weights nudged by one float32 ulp
+(the max step: what an expert-selection flip costs) and XLA in float32 where its float32 copy fits
+the device, or as `--float32-floor` / `--no-float32-floor` say (the median step: the bf16
+reference's own distance from exact arithmetic, which every op's rounding moves). Each is max(2^-7,
+2 x the controls'); without the float32 control there is no median gate. On a random-weight model
+one expert-selection flip moves the max (and the same code's max moves between processes), a
+systematic kernel error moves the median; a failing row says which (`parity_failure`). `--per-op`
+runs each kernel alone on top of XLA instead, which attributes a whole-backend difference to an op.
 """
 
 from __future__ import annotations
@@ -272,20 +273,24 @@ def router_nudged_plan(direction: float):
     return RouterNudged(XLA.choices)
 
 
-def parity_failure(row: dict, tol: float, median_tol: float) -> str | None:
+def parity_failure(row: dict, tol: float, median_tol: float | None = None) -> str | None:
     """Why a whole-model parity row (`model_parity`) failed, in words; None if it passed. A flip
-    that XLA's own top-1/top-2 margin does not explain, or a median step over `median_tol`, point
-    at a kernel; a max alone over `tol` with the median within `median_tol` is one expert-selection
-    flip on a random-weight model (k3-small: docs/pallas.md, Known issues)."""
+    that XLA's own top-1/top-2 margin does not explain, or a median step over `median_tol` (set by
+    the float32 control; None: no median gate), point at a kernel; a max alone over `tol` is one
+    expert-selection flip on a random-weight model (k3-small: docs/pallas.md, Known issues) unless
+    its median is over the bf16 tolerance too."""
+    from pallas_kernels.registry import TOLERANCE
     if row["unexplained_flips"]:
         return f"greedy flips XLA's margin does not explain at steps {row['unexplained_flips'][:5]}"
-    if row["median_rel_err"] > median_tol:
+    if median_tol is not None and row["median_rel_err"] > median_tol:
         return (f"the median step ({row['median_rel_err']:.1e}) is over the median tolerance "
                 f"({median_tol:.1e}): systematic")
     if row["logit_rel_err"] <= tol:
         return None
+    if row["median_rel_err"] > TOLERANCE["bfloat16"]:
+        return f"the median step ({row['median_rel_err']:.1e}) is over the bf16 tolerance too: systematic"
     worst = int(np.argmax(row["per_step_rel_err"]))
-    return (f"the max alone (step {worst}); the median step is within its tolerance: an expert-selection flip, "
+    return (f"the max alone (step {worst}); the median step is at bf16 level: an expert-selection flip, "
             "worth a second run or another seed before reading it as a kernel error")
 
 
@@ -315,8 +320,10 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
     router weights nudged by one float32 ulp up / down (router_nudged_plan); `float32_floor` runs
     XLA in float32 (the same weights, upcast exactly): the bfloat16 reference's own distance from
     float32 arithmetic (None: where its float32 copy fits, float32_copy_fits). A row passes with no
-    unexplained flip, its max within max(2^-7, 2 x the controls' largest max) and its median within
-    max(2^-7, 2 x the controls' largest median). Control rows are reported, not judged. experts:
+    unexplained flip, its max within max(2^-7, 2 x the controls' largest max) and, where the float32
+    control ran, its median within max(2^-7, 2 x that control's median): the router controls move
+    only routing, so their medians are no scale for a kernel's rounding everywhere (on k3-h200 the
+    kernel backends' medians run 1.5-2.3x theirs). Control rows are reported, not judged. experts:
     one of k3jax.config.EXPERT_CHOICES (None: the preset's).
     """
     import k3jax
@@ -389,21 +396,23 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
         log(f"float32 control: {float32_mode} (as asked)")
     if float32_floor:
         controls.append(("xla:float32", KernelPlan.for_backend("xla"), True))
-    floors, median_floors = [], []
+    floors, float32_median = [], None
     for label, plan, wide in controls:
         row = {**compare(label, plan, wide), "control": True}
         row.pop("passed", None)
         rows.append(row)
         if "error" not in row:
             floors.append(row["logit_rel_err"])
-            median_floors.append(row["median_rel_err"])
+            if wide:
+                float32_median = row["median_rel_err"]
             log(describe(row) + "  (control)")
     tol = max([TOLERANCE["bfloat16"]] + [2 * f for f in floors])
-    median_tol = max([TOLERANCE["bfloat16"]] + [2 * f for f in median_floors])
+    median_tol = None if float32_median is None else max(TOLERANCE["bfloat16"], 2 * float32_median)
     rows[0]["tolerance"], rows[0]["median_tolerance"] = tol, median_tol
     if floors:
-        log(f"noise floor {max(floors):.2e} of the largest logit (median step {max(median_floors):.2e}) "
-            f"-> tolerance {tol:.2e} (median {median_tol:.2e})")
+        log(f"noise floor {max(floors):.2e} of the largest logit -> tolerance {tol:.2e}"
+            + ("" if median_tol is None else
+               f"; float32 median step {float32_median:.2e} -> median tolerance {median_tol:.2e}"))
     for label, plan in parity_plans(backends, per_op):
         row = compare(label, plan)
         rows.append(row)
@@ -412,7 +421,8 @@ def model_parity(preset: str, backends: list[str], steps: int = 64, batch: int =
         row["tolerance"], row["median_tolerance"] = tol, median_tol
         row["failure"] = parity_failure(row, tol, median_tol)
         row["passed"] = row["failure"] is None
-        log(f"{describe(row)}  (tol {tol:.1e}, median {median_tol:.1e})  "
+        gates = f"tol {tol:.1e}" + ("" if median_tol is None else f", median {median_tol:.1e}")
+        log(f"{describe(row)}  ({gates})  "
             f"{'PASS' if row['passed'] else 'FAIL: ' + row['failure']}")
         for op_impl, whys in row["fallbacks"].items():
             log(f"        {op_impl} fell back to XLA for: {'; '.join(whys)}")
