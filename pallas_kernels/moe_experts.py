@@ -13,7 +13,7 @@ exactly once per call, padded expert slots read nothing:
   * gate/up: grid (I/64, U). A program streams 64 rows of w1 and w3 of its expert (TMA,
     `emit_pipeline`, 512 input columns = 256 packed bytes + 16 scale bytes per row per step),
     dequantises them in registers and multiplies them by wgmma (swap-AB: weights on the M side,
-    tokens padded to 8 on N). The epilogue applies ops.glu (the same jnp formula, on registers,
+    tokens padded to 8 on N; up to 8 tokens by mma.sync, below). The epilogue applies ops.glu (the same jnp formula, on registers,
     float32) and the token's routing coefficient, and writes h [U, Np, I] bf16 (token-major:
     its [64, Np] tile stored through a transposed SMEM view).
   * down: grid (M/64, S). A program owns 64 output features and U/S experts; for each valid
@@ -47,6 +47,18 @@ use and both ends of EXACT_SCALES (and show its top is tight), in row order and 
 Stages (`OCCUPANCY`): as many as keep three programs resident per SM (136 registers), so one
 decodes while the others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens.
 MX_STEP (input columns per step) is 512 (256 and 128 measured no faster).
+
+Up to MMA_SYNC_MAX_TOKENS = 8 tokens per call or slot (batch 1-8, the grouped schedule's slots)
+the compiled kernels multiply by warp-level `mma.sync.m16n8k16` instead (`_mma_sync_step`): the
+same decoded pairs are its A fragments (a warp's 16 rows of the WGMMA register layout are the
+mma.sync fragment), each thread reads its B fragments from SMEM with two 16-byte loads per K-tile
+(the activations in `mma_x_order`: a thread's 8 pairs contiguous, halves swapped for odd tokens
+so an LDS.128 phase hits 8 bank groups), and the float32 accumulators are the pipeline's carry.
+No wgmma means no SMEM descriptors: Mosaic hoisted a step's 32 of them into 64 registers and
+moved two into uniform registers per wgmma (R2UR / UMOV, 13% of the gate/up kernel's
+instructions at batch 1); the mma.sync kernels run in 63 (gate/up) and 56 (down) registers, and
+the gate/up kernel takes 256-column steps in one stage (GATE_UP_SYNC_COLS / _STAGES), so batch
+1's 768 programs are resident at once instead of in two waves of three per SM.
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Time has followed
@@ -158,6 +170,19 @@ OCCUPANCY = {True: ((SMEM_PER_SM // 3, (4, 3, 2, 1)), (SMEM_PER_SM // 2, (4, 3, 
 # wgmma groups left in flight after each quad below 32 tokens (2: the next quad's decode overlaps
 # the previous quad's wgmma; from 32 tokens 0, see _dequant_mma).
 WGMMA_PENDING = 2
+# Up to this many tokens per call or slot (N = 8: 1-8 tokens and the grouped schedule's slots) the
+# compiled MXFP4 kernels multiply by warp-level mma.sync with B fragments read from SMEM
+# (`_mma_sync_step`), not by wgmma: no SMEM descriptors (Mosaic hoists a step's 32 B descriptors
+# out of the loop into 64 registers, and every wgmma moves two into uniform registers: 13% of
+# the gate/up kernel's instructions at batch 1, ncu, session 37), 63 registers instead of 163.
+# 0: wgmma everywhere (the ablation).
+MMA_SYNC_MAX_TOKENS = 8
+# The mma.sync gate/up kernel's step and stages: 256 columns, one stage (21 KB of SMEM), so the
+# register limit (8 programs per SM) sets residency and batch 1's 768 programs run in one wave
+# (H100 at the SM base clock, ncu, session 37, gate/up us: wgmma 81.1, mma.sync 512 columns one
+# stage 93.5 (5 per SM: 1.16 waves) / padded to 3 per SM 80.2, 256 columns one stage 75.8,
+# CuTe 75.9).
+GATE_UP_SYNC_COLS, GATE_UP_SYNC_STAGES = 256, 1
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)      # one value per accumulator column
@@ -279,6 +304,42 @@ def quad_addressing(w_strides: tuple[int, ...], s_strides: tuple[int, ...], quad
     return dict(code_row=w_strides[0], code_base=0, scale_row=s_strides[0], scale_base=0, group0=4 * quad)
 
 
+def _thread_rows():
+    """(lane % 4, row g of the thread's 16-row warp slice): WGMMA / mma.sync fragment coordinates."""
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: mgpu_utils.c(v, i32)
+    tid = mgpu_utils.thread_idx()
+    lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
+    return arith.remui(lane, c(4)), arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+
+
+def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
+    """Inside an inline_mgpu body: the thread's decoded code pairs of quad `quad` of a step,
+    pairs[r][k][a] (i32 = bf16x2: codes a, a + 4 of word k of its 16-byte group, in row
+    16 warp + lane // 4 + 8 r). Refs and layout as `_decode_quad`."""
+    i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+    c = lambda v: mgpu_utils.c(v, i32)
+    at = quad_addressing(*(tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref)), quad)
+    q, row0 = _thread_rows()
+    group = arith.addi(q, c(at["group0"]))       # the 16-byte group in the row
+    w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
+    words_ty = ir.VectorType.get((4,), i32)
+    ptx = decode_word_ptx()
+    pairs = []
+    for r in range(2):
+        row = arith.addi(row0, c(8 * r))
+        w_off = arith.addi(arith.muli(row, c(at["code_row"])), arith.addi(arith.muli(group, c(16)), c(at["code_base"])))
+        words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
+        s_off = arith.addi(arith.muli(row, c(at["scale_row"])), arith.addi(group, c(at["scale_base"])))
+        code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
+        # bf16 bits of 2^(code - 1) in both halves (DECODE_PROGRAM's factor)
+        scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
+        pairs.append([list(mgpu_utils.inline_ptx(ptx, vector.extract(words, dynamic_position=[],
+                                                                     static_position=ir.DenseI64ArrayAttr.get([k])),
+                                                 scale, result_types=[i32] * 4)) for k in range(4)])
+    return pairs
+
+
 def _decode_quad(w_s, s_s, quad: int):
     """Compiled decode of K-tiles 2*quad and 2*quad+1 of a step: two bf16 [64, 64] arrays in the
     WGMMA register layout (A operands). w_s [64, 256] uint8 and s_s [64, 16] uint8 in SMEM, or for
@@ -292,30 +353,10 @@ def _decode_quad(w_s, s_s, quad: int):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=(tile, tile))
     def decode(_, w_ref, s_ref):
-        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-        c = lambda v: mgpu_utils.c(v, i32)
-        at = quad_addressing(*(tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref)), quad)
-        tid = mgpu_utils.thread_idx()
-        lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
-        group = arith.addi(arith.remui(lane, c(4)), c(at["group0"]))   # the 16-byte group in the row
-        row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
-        w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
-        words_ty = ir.VectorType.get((4,), i32)
         pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
         regs = [np.empty(mgpu_fa.WGMMA_LAYOUT.registers_shape((BLOCK, BLOCK)), object) for _ in range(2)]
-        ptx = decode_word_ptx()
-        for r in range(2):
-            row = arith.addi(row0, c(8 * r))
-            w_off = arith.addi(arith.muli(row, c(at["code_row"])), arith.addi(arith.muli(group, c(16)), c(at["code_base"])))
-            words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
-            s_off = arith.addi(arith.muli(row, c(at["scale_row"])), arith.addi(group, c(at["scale_base"])))
-            code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
-            # bf16 bits of 2^(code - 1) in both halves (DECODE_PROGRAM's factor)
-            scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
-            for k in range(4):
-                word = vector.extract(words, dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([k]))
-                pairs = mgpu_utils.inline_ptx(ptx, word, scale, result_types=[i32] * 4)
+        for r, words in enumerate(_decoded_pairs(w_ref, s_ref, quad)):
+            for k, pairs in enumerate(words):
                 for a, p in enumerate(pairs):
                     regs[k // 2][0, 4 * (k % 2) + a, 0, 0, r, 0, 0, 0, 0] = mgpu_utils.bitcast(p, pair_ty)
         return tuple(mgpu_fa.FragmentedArray(_registers=x, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
@@ -324,15 +365,81 @@ def _decode_quad(w_s, s_s, quad: int):
     return decode(w_s, s_s)
 
 
+MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+           "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+def mma_x_order(xt: jax.Array) -> jax.Array:
+    """Activation K-tiles [..., T, Np, 64] (`_k_tiles`) -> the same shape in `_mma_sync_step`'s
+    fragment order: per token n and thread quad q (position p = 16i + 8c + 2q + e of a K-tile), the
+    8 bf16 pairs (i, c) of its mma.sync B fragments as 32 contiguous bytes, the two 16-byte halves
+    (i // 2) swapped for odd n (the 8 lanes of an LDS.128 phase then hit 8 distinct bank groups)."""
+    *lead, t, n, _ = xt.shape
+    y = xt.reshape(*lead, t, n, 2, 2, 2, 4, 2)                          # (ih, il, c, q, e)
+    nl = len(lead) + 2
+    y = y.transpose(*range(nl), nl + 3, nl, nl + 1, nl + 2, nl + 4)     # (q, ih, il, c, e)
+    odd = (jnp.arange(n) % 2 == 1).reshape(n, 1, 1, 1, 1, 1)
+    y = jnp.where(odd, jnp.flip(y, axis=-4), y)
+    return y.reshape(xt.shape)
+
+
+def _mma_sync_step(accs, mats, x_s):
+    """One pipeline step by mma.sync (warp-level m16n8k16, B fragments from SMEM: no wgmma
+    descriptors). accs: float32 [64, Np] arrays in the WGMMA layout (the mma.sync C fragment of
+    each warp's 16 rows), one per matrix; mats: (codes, scales) SMEM refs per matrix; x_s
+    [cols/64, Np, 64] bf16 in `mma_x_order` (cols: the step's columns). Returns accs + W_step @ x_step."""
+    n_m, n_pad = len(mats), x_s.shape[1]
+    acc_t = plgpu.ShapeDtypeStruct((BLOCK, n_pad), jnp.float32, layout=WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=((WGMMA,) * n_m, (plgpu.RefType(),) * (2 * n_m), plgpu.RefType()),
+                       return_type=(acc_t,) * n_m)
+    def step(_, accs, refs, x_ref):
+        i8, i32, f32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda v: mgpu_utils.c(v, i32)
+        q, row0 = _thread_rows()
+        g = arith.remui(row0, c(8))                     # the thread's token in each 8-token tile
+        x_ptr = mgpu_utils.memref_ptr(x_ref)
+        lane_off = arith.muli(arith.addi(arith.muli(g, c(4)), q), c(32))
+        swap = arith.muli(arith.andi(g, c(1)), c(16))
+        half_off = (arith.addi(lane_off, swap), arith.subi(arith.addi(lane_off, c(16)), swap))
+        vec_ty = ir.VectorType.get((4,), i32)
+        regs = [np.array(a.registers, copy=True) for a in accs]
+        elem = lambda v, j: vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([j]))
+        for quad in range(x_s.shape[0] // 2):
+            pairs = [_decoded_pairs(refs[2 * m], refs[2 * m + 1], quad) for m in range(n_m)]
+            for h in range(2):                          # K-tile 2 quad + h
+                t = 2 * quad + h
+                b = []                                  # b[nt][2i + cc]
+                for nt in range(n_pad // 8):
+                    base = (t * n_pad + 8 * nt) * BLOCK * 2
+                    words = [llvm.load(vec_ty, mgpu_utils.getelementptr(x_ptr, [arith.addi(off, c(base))], i8),
+                                       alignment=16) for off in half_off]
+                    b.append([elem(words[j // 4], j % 4) for j in range(8)])
+                for i in range(4):                      # k16 step: word 2h + i // 2, pairs a0, a0 + 1
+                    k, a0 = 2 * h + i // 2, 2 * (i % 2)
+                    for m in range(n_m):
+                        p = pairs[m]
+                        a_regs = [p[0][k][a0], p[1][k][a0], p[0][k][a0 + 1], p[1][k][a0 + 1]]
+                        for nt in range(n_pad // 8):
+                            acc = [elem(regs[m][0, nt, 0, 0, r, 0, 0, 0, 0], e) for r in range(2) for e in range(2)]
+                            d = mgpu_utils.inline_ptx(MMA_PTX, *a_regs, b[nt][2 * i], b[nt][2 * i + 1], *acc,
+                                                      result_types=[f32] * 4)
+                            for r in range(2):
+                                regs[m][0, nt, 0, 0, r, 0, 0, 0, 0] = vector.from_elements(
+                                    ir.VectorType.get((2,), f32), [d[2 * r], d[2 * r + 1]])
+        return tuple(mgpu_fa.FragmentedArray(_registers=x, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
+                     for x in regs)
+
+    return step(tuple(accs), tuple(r for m in mats for r in m), x_s)
+
+
 def _dequant_mma(acc, k, w_s, s_s, x_s, stage_s) -> None:
     """acc[64, Np] += W_step @ x_step for pipeline step k: W_step = w_s [64, MX_STEP/2] packed codes
     and its part of s_s [64, SCALE_COLS/32] (the scale block steps k - k % SCALE_STEPS.. share),
     x_s [KTILES, Np, 64] permuted activation K-tiles. stage_s None: compiled (register A operands);
     else an SMEM [64, 64] bf16 tile (interpret mode: mxfp4.dequantize, permuted, staged)."""
-    groups = MX_STEP // 32
     tiled = len(w_s.shape) == 3
-    if not tiled:
-        s_s = s_s.at[:, pl.ds(jax.lax.rem(k, SCALE_STEPS) * groups, groups)]
+    s_s = _step_scales(s_s, k, tiled)
     if stage_s is None:
         # A quad's wgmma overlaps the next quad's decode while the accumulators are small; from 32
         # tokens the registers that overlap holds cost occupancy (H200, session 5: gate/up at batch
@@ -380,27 +487,47 @@ def _stages(n_pad: int, matrices: int, mxfp4: bool = True) -> int:
     raise AssertionError("unreachable: one stage of a 64-token step fits")
 
 
-def _weight_specs(mxfp4: bool, tiled: bool = False):
+def _weight_specs(mxfp4: bool, tiled: bool = False, cols: int = MX_STEP):
+    """A matrix's blocks per step of `cols` input columns (MXFP4: codes, scales; bf16: the tile)."""
     if tiled:               # whole chunks of the expert's row tile (`_operands`)
-        return [plgpu.BlockSpec((QUADS, BLOCK, TILE_CODES), lambda k: (k, 0, 0)),
-                plgpu.BlockSpec((QUADS, BLOCK * TILE_SCALES), lambda k: (k, 0))]
+        return [plgpu.BlockSpec((cols // 128, BLOCK, TILE_CODES), lambda k: (k, 0, 0)),
+                plgpu.BlockSpec((cols // 128, BLOCK * TILE_SCALES), lambda k: (k, 0))]
     if mxfp4:
-        return [plgpu.BlockSpec((BLOCK, MX_STEP // 2), lambda k: (0, k)),
-                plgpu.BlockSpec((BLOCK, SCALE_COLS // 32), lambda k: (0, k // SCALE_STEPS))]
+        return [plgpu.BlockSpec((BLOCK, cols // 2), lambda k: (0, k)),
+                plgpu.BlockSpec((BLOCK, SCALE_COLS // 32), lambda k: (0, k // (SCALE_COLS // cols)))]
     return [plgpu.BlockSpec((BLOCK, BF16_STEP), lambda k: (0, k), transforms=TILED)]
 
 
-def _x_spec(n_pad: int, mxfp4: bool):
-    """The activations' block per step: MXFP4 reads permuted K-tiles [8, Np, 64] (`_x_layout`),
-    bf16 a plain [Np, 128] slice (wgmma transposes it as the B operand)."""
+def _x_spec(n_pad: int, mxfp4: bool, mma_sync: bool = False, cols: int = MX_STEP):
+    """The activations' block per step: MXFP4 reads permuted K-tiles [cols/64, Np, 64] (`_x_layout`;
+    mma_sync: in `mma_x_order`, unswizzled), bf16 a plain [Np, 128] slice (wgmma transposes it as
+    the B operand)."""
     if mxfp4:
-        return plgpu.BlockSpec((KTILES, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)
+        return plgpu.BlockSpec((cols // BLOCK, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=() if mma_sync else TILED)
     return plgpu.BlockSpec((n_pad, BF16_STEP), lambda k: (0, k), transforms=TILED)
 
 
-def _x_layout(x: jax.Array, experts: ops.ExpertWeights) -> jax.Array:
-    """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4) or x."""
-    return _k_tiles(x, experts.tiled) if experts.is_mxfp4 else x
+def _x_layout(x: jax.Array, experts: ops.ExpertWeights, mma_sync: bool = False) -> jax.Array:
+    """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4; mma_sync:
+    then in `mma_x_order`) or x."""
+    if not experts.is_mxfp4:
+        return x
+    xt = _k_tiles(x, experts.tiled)
+    return mma_x_order(xt) if mma_sync else xt
+
+
+def _by_mma_sync(mxfp4: bool, n_pad: int) -> bool:
+    """Whether the kernels multiply by mma.sync (compiled MXFP4, MMA_SYNC_MAX_TOKENS) or wgmma."""
+    return mxfp4 and n_pad <= MMA_SYNC_MAX_TOKENS and mgpu.interpret_params() is None
+
+
+def _step_scales(s_s, k, tiled: bool, cols: int = MX_STEP):
+    """The scales of pipeline step k of `cols` columns: in row order its columns of the scale block
+    s_s [64, SCALE_COLS/32] (SCALE_COLS / cols steps share it); in tiles s_s itself."""
+    if tiled:
+        return s_s
+    groups = cols // 32
+    return s_s.at[:, pl.ds(jax.lax.rem(k, SCALE_COLS // cols) * groups, groups)]
 
 
 def _staging(body, staged: bool):
@@ -410,7 +537,7 @@ def _staging(body, staged: bool):
     return pl.run_scoped(body, plgpu.SMEM((BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
 
 
-def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slot: bool = False):
+def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool = False):
     """h [U, Np, I] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding);
     coef [U, Np] float32, or [U] (one token: a scalar per slot, which also multiplies the padding
     columns, whose h is 0: their z rows are).
@@ -418,38 +545,53 @@ def _gate_up(zt, uniq, coef, gate, up, *, steps, act, beta, linear_beta, per_slo
     a permutation within rows of I and the mixed schedule gathers whole rows (H100, session 30,
     against [U, I, Np]: 16 tokens op 1354 vs 1443 us, gate/up 852 vs 942; 1 and 8 tokens equal;
     128 grouped +0.5%). zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens
-    [U, Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3; steps: M / step columns."""
+    [U, Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3."""
     u_n, n_pad = uniq.shape[0], zt.shape[-2]
     tiled = gate[0].ndim == 5
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
     mx = len(gate) == 2
-    stages = _stages(n_pad, 2, mx)
     staged = mx and mgpu.interpret_params() is not None
+    sync = _by_mma_sync(mx, n_pad)
+    cols = GATE_UP_SYNC_COLS if sync else _step(mx)
+    steps = (zt.shape[-3] * BLOCK if mx else zt.shape[-1]) // cols
+    stages = GATE_UP_SYNC_STAGES if sync else _stages(n_pad, 2, mx)
+    specs = _weight_specs(mx, tiled, cols) * 2 + [_x_spec(n_pad, mx, sync, cols)]
 
     def moe_gate_up(zt_g, uniq_g, coef_g, *refs):
         *w_g, h_g = refs
         oi, ui = jax.lax.axis_index("o"), jax.lax.axis_index("u")
         eid = uniq_g[ui]
         rows = pl.ds(oi * BLOCK, BLOCK)
+        operands = (*(w.at[eid, oi if tiled else rows] for w in w_g), zt_g.at[ui] if per_slot else zt_g)
+
+        def by_wgmma(acc_g, acc_u, stage_s):
+            def step(idx, *smem):
+                *w_s, x_s = smem
+                _mma(acc_g, idx[0], w_s[:len(gate)], x_s, stage_s)
+                _mma(acc_u, idx[0], w_s[len(gate):], x_s, stage_s)
+                plgpu.wgmma_wait(0)      # the step's slots are refilled after it
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages)(*operands)
+            return acc_g[...], acc_u[...]
+
+        def by_mma_sync():
+            def step(idx, *args):
+                *w_s, x_s, accs = args
+                return _mma_sync_step(accs, [(w_s[0], _step_scales(w_s[1], idx[0], tiled, cols)),
+                                             (w_s[2], _step_scales(w_s[3], idx[0], tiled, cols))], x_s)
+            zero = plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.float32), WGMMA)
+            return plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
+                                       init_carry=(zero, zero))(*operands)
 
         def scoped(o_s):
             o_t = o_s.transpose((1, 0))     # [64, Np]: the accumulator's orientation
             @pl.when(eid < n_exp)
             def _compute():
-                def accumulate(acc_g, acc_u, stage_s):
-                    def step(idx, *smem):
-                        *w_s, x_s = smem
-                        _mma(acc_g, idx[0], w_s[:len(gate)], x_s, stage_s)
-                        _mma(acc_u, idx[0], w_s[len(gate):], x_s, stage_s)
-                        plgpu.wgmma_wait(0)      # the step's slots are refilled after it
-                    plgpu.emit_pipeline(
-                        step, grid=(steps,),
-                        in_specs=_weight_specs(mx, tiled) * 2 + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
-                    )(*(w.at[eid, oi if tiled else rows] for w in w_g), zt_g.at[ui] if per_slot else zt_g)
-                    return acc_g[...], acc_u[...]
-                g, u = pl.run_scoped(
-                    lambda a, b: _staging(functools.partial(accumulate, a, b), staged),
-                    plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
+                if sync:
+                    g, u = by_mma_sync()
+                else:
+                    g, u = pl.run_scoped(
+                        lambda a, b: _staging(functools.partial(by_wgmma, a, b), staged),
+                        plgpu.ACC((BLOCK, n_pad)), plgpu.ACC((BLOCK, n_pad)))
                 # The reference's formula on registers: bf16 projections, float32 activation.
                 h = ops.glu(g.astype(jnp.bfloat16), u.astype(jnp.bfloat16), act, beta, linear_beta)
                 if coef.ndim == 1:
@@ -505,6 +647,7 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
     mx = len(down) == 2
     stages = _stages(n_pad, 1, mx)
     staged = mx and mgpu.interpret_params() is not None
+    sync = _by_mma_sync(mx, n_pad)
 
     def moe_down(ht_g, uniq_g, *refs):
         *w_g, o_g = refs
@@ -525,6 +668,34 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
         def accumulated(body):
             """body(acc, stage_s) in a fresh float32 accumulator -> its value."""
             return pl.run_scoped(lambda a: _staging(functools.partial(body, a), staged), plgpu.ACC((BLOCK, n_pad)))
+
+        def add_slot_sync(acc, u, eid):
+            """acc + w2_eid's rows @ h_u, streamed (mma.sync; acc a value)."""
+            def step(idx, *args):
+                *w_s, x_s, (a,) = args
+                return _mma_sync_step((a,), [(w_s[0], _step_scales(w_s[1], idx[0], tiled))], x_s)
+            return plgpu.emit_pipeline(
+                step, grid=(steps,), max_concurrent_steps=stages, init_carry=(acc,),
+                in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx, mma_sync=True)],
+            )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])[0]
+
+        zero = lambda: plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.float32), WGMMA)     # noqa: E731
+        if sync and per_slot:
+            @pl.loop(0, per)
+            def _slot(j):
+                u = si + j * programs
+                eid = uniq_g[u]
+
+                @pl.when(eid < n_exp)
+                def _():
+                    mgpu.store_tile(add_slot_sync(zero(), u, eid), o_g.at[u, rows])
+            return
+        if sync:
+            def slot(u, acc):
+                eid = uniq_g[u]
+                return jax.lax.cond(eid < n_exp, lambda a: add_slot_sync(a, u, eid), lambda a: a, acc)
+            mgpu.store_tile(jax.lax.fori_loop(si * per, (si + 1) * per, slot, zero()), o_g.at[si, rows])
+            return
 
         if per_slot:
             @pl.loop(0, per)
@@ -587,7 +758,7 @@ def _moe_groups(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: 
     uniq, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
     zs = jnp.pad(z, ((0, 1), (0, 0)))[choices // ids.shape[1]]           # [S, G, M]; unused columns 0
     coef = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, 1))[choices]
-    h = _gate_up(_x_layout(zs, experts), uniq, coef, gate, up, steps=z.shape[1] // _step(experts.is_mxfp4),
+    h = _gate_up(_x_layout(zs, experts, _by_mma_sync(experts.is_mxfp4, zs.shape[1])), uniq, coef, gate, up,
                  act=act, beta=beta, linear_beta=linear_beta, per_slot=True)
     return _grouped_down(h, uniq, where, experts).astype(z.dtype)
 
@@ -600,7 +771,7 @@ def _grouped_down(hs: jax.Array, uniq: jax.Array, where: jax.Array, experts: ops
     slots, g, inter = hs.shape
     _, _, down = _operands(experts)
     m = down[0].shape[1] * (BLOCK if experts.tiled else 1)
-    part = _down(_x_layout(hs, experts), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
+    part = _down(_x_layout(hs, experts, _by_mma_sync(experts.is_mxfp4, g)), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
                  steps=inter // _step(experts.is_mxfp4), per_slot=True)
     rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
     return rows[where].sum(1)
@@ -628,8 +799,8 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         coef = weights[0].astype(jnp.float32)
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)
-    h = _gate_up(zt, uniq, coef, gate, up, steps=m // step, act=act, beta=beta, linear_beta=linear_beta)
+    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, _by_mma_sync(mx, n_pad))
+    h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta)
     if n >= GROUPED_DOWN_FROM[mx]:
         slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
         row = jnp.searchsorted(uniq, slot_expert)        # each slot's expert's row of h (uniq sorted: n > 1)
@@ -637,7 +808,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         token = jnp.where(skip, n_pad, choices // k)                      # n_pad: past h, read as zeros
         hs = h.at[row[:, None], token].get(mode="fill", fill_value=0)      # [S, G, I]
         return _grouped_down(hs, slot_expert, where, experts).astype(z.dtype)
-    ht = _x_layout(h, experts)                                            # per slot, as z
+    ht = _x_layout(h, experts, _by_mma_sync(mx, n_pad))                  # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
     part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
     return part.sum(0).T[:n].astype(z.dtype)

@@ -133,6 +133,23 @@ def test_permute_k_is_a_permutation_per_128_columns():
     assert sorted(t[0]) == list(range(256)) and t[0, 32 * 2 + 8 * 3 + 2 * 1 + 1] == 32 * 1 + 8 * 2 + 2 * 3 + 1
 
 
+def test_mma_x_order_gives_each_thread_its_b_fragments():
+    """`_mma_sync_step` reads thread (g, q)'s B fragments of K-tile t, token tile nt as two 16-byte
+    halves ih at element ((t Np + 8 nt + g) 4 + q) 16 + 8 (ih ^ g % 2), pair j % 4 of half j // 4
+    being fragment j = 2i + c: x[8 nt + g, 16i + 8c + 2q + e]. Each 8-lane LDS.128 phase (two tokens,
+    four q) then covers eight distinct 16-byte bank groups."""
+    t, n = 3, 16
+    x = np.arange(t * n * 64).reshape(t, n, 64)
+    lay = np.asarray(me.mma_x_order(jnp.asarray(x))).reshape(-1)
+    tt, nt, g, q, i, c, e = np.meshgrid(*map(np.arange, (t, n // 8, 8, 4, 4, 2, 2)), indexing="ij")
+    j = 2 * i + c
+    at = ((tt * n + 8 * nt + g) * 4 + q) * 16 + 8 * ((j // 4) ^ (g % 2)) + 2 * (j % 4) + e
+    assert (lay[at] == x[tt, 8 * nt + g, 16 * i + 8 * c + 2 * q + e]).all()
+    for ih in range(2):     # lanes 0-7: tokens 0, 1 x q 0..3 -> byte offsets mod 128
+        banks = {(((g * 4 + q) * 16 + 8 * (ih ^ g % 2)) * 2) % 128 // 16 for g in range(2) for q in range(4)}
+        assert len(banks) == 8
+
+
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_moe_experts_matches_reference_interpret(case):
     r = validate.check_case(SPEC, "pallas", me.moe_experts, case, seed=3, repeats=1)
@@ -237,6 +254,25 @@ def test_moe_experts_cuda_export(n, e, tiled):
                                 s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
                                 tiled=tiled)
     assert _export_has_kernels(experts, n, m, k, me.ACT)
+
+
+def test_mma_sync_is_what_runs_up_to_eight_tokens(monkeypatch):
+    """The compiled MXFP4 kernels multiply by mma.sync up to MMA_SYNC_MAX_TOKENS (batch 1 here) and
+    by wgmma with it at 0 (the ablation): the exported kernels carry that instruction."""
+    m, i, k, e = me.K3_M, me.K3_I, me.K3_K, 32
+    s = jax.ShapeDtypeStruct
+    experts = ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
+                                s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
+                                tiled=True)
+
+    def exported():
+        fn = jax.jit(lambda z, ids, w, x: me.moe_experts(z, ids, w, x, **dict(me.ACT)))
+        with mgpu.compile_for_gpu():
+            return jax.export.export(fn, platforms=["cuda"])(
+                s((1, m), jnp.bfloat16), s((1, k), jnp.int32), s((1, k), jnp.float32), experts).mlir_module()
+    assert "mma.sync.aligned.m16n8k16" in exported() and "wgmma.mma_async" not in exported()
+    monkeypatch.setattr(me, "MMA_SYNC_MAX_TOKENS", 0)
+    assert "mma.sync.aligned.m16n8k16" not in exported() and "wgmma.mma_async" in exported()
 
 
 @pytest.mark.parametrize("n,shape,act", [(1, me.KL_SHAPE, me.KL_ACT), (32, me.KL_SHAPE, me.KL_ACT),
