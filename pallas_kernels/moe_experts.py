@@ -655,7 +655,7 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
         rows = pl.ds(oi * BLOCK, BLOCK)
 
         def add_slot(acc, stage_s, u, eid):
-            """acc += w2_eid's rows @ h_u, streamed."""
+            """acc += w2_eid's rows @ h_u, streamed (wgmma into an accumulator ref)."""
             def step(idx, *smem):
                 *w_s, x_s = smem
                 _mma(acc, idx[0], w_s, x_s, stage_s)
@@ -664,10 +664,6 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
                 step, grid=(steps,),
                 in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx)], max_concurrent_steps=stages,
             )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])
-
-        def accumulated(body):
-            """body(acc, stage_s) in a fresh float32 accumulator -> its value."""
-            return pl.run_scoped(lambda a: _staging(functools.partial(body, a), staged), plgpu.ACC((BLOCK, n_pad)))
 
         def add_slot_sync(acc, u, eid):
             """acc + w2_eid's rows @ h_u, streamed (mma.sync; acc a value)."""
@@ -679,23 +675,40 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
                 in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx, mma_sync=True)],
             )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])[0]
 
-        zero = lambda: plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.float32), WGMMA)     # noqa: E731
-        if sync and per_slot:
-            @pl.loop(0, per)
-            def _slot(j):
-                u = si + j * programs
-                eid = uniq_g[u]
+        def accumulated(body):
+            """body(acc, stage_s) in a fresh float32 accumulator ref -> its value."""
+            return pl.run_scoped(lambda a: _staging(functools.partial(body, a), staged), plgpu.ACC((BLOCK, n_pad)))
 
-                @pl.when(eid < n_exp)
-                def _():
-                    mgpu.store_tile(add_slot_sync(zero(), u, eid), o_g.at[u, rows])
-            return
-        if sync:
-            def slot(u, acc):
-                eid = uniq_g[u]
-                return jax.lax.cond(eid < n_exp, lambda a: add_slot_sync(a, u, eid), lambda a: a, acc)
-            mgpu.store_tile(jax.lax.fori_loop(si * per, (si + 1) * per, slot, zero()), o_g.at[si, rows])
-            return
+        zero = lambda: plgpu.layout_cast(jnp.zeros((BLOCK, n_pad), jnp.float32), WGMMA)     # noqa: E731
+
+        def one_slot(u, eid):
+            """w2_eid's rows @ h_u [64, Np] float32."""
+            if sync:
+                return add_slot_sync(zero(), u, eid)
+            def one(acc, stage_s):
+                add_slot(acc, stage_s, u, eid)
+                return acc[...]
+            return accumulated(one)
+
+        def program_slots():
+            """The sum over this program's consecutive slots of w2 @ h [64, Np] float32 (padded
+            slots read no weights)."""
+            if sync:
+                def slot(u, acc):
+                    eid = uniq_g[u]
+                    return jax.lax.cond(eid < n_exp, lambda a: add_slot_sync(a, u, eid), lambda a: a, acc)
+                return jax.lax.fori_loop(si * per, (si + 1) * per, slot, zero())
+
+            def summed(acc, stage_s):
+                @pl.loop(si * per, (si + 1) * per)
+                def _slot(u):
+                    eid = uniq_g[u]
+
+                    @pl.when(eid < n_exp)
+                    def _():
+                        add_slot(acc, stage_s, u, eid)
+                return acc[...]
+            return accumulated(summed)
 
         if per_slot:
             @pl.loop(0, per)
@@ -705,23 +718,9 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
 
                 @pl.when(eid < n_exp)      # unused slots read no weights and write nothing
                 def _():
-                    def one(acc, stage_s):
-                        add_slot(acc, stage_s, u, eid)
-                        return acc[...]
-                    mgpu.store_tile(accumulated(one), o_g.at[u, rows])
+                    mgpu.store_tile(one_slot(u, eid), o_g.at[u, rows])
             return
-
-        def summed(acc, stage_s):
-            @pl.loop(si * per, (si + 1) * per)
-            def _slot(u):
-                eid = uniq_g[u]
-
-                @pl.when(eid < n_exp)      # padded slots read no weights
-                def _():
-                    add_slot(acc, stage_s, u, eid)
-            return acc[...]
-
-        mgpu.store_tile(accumulated(summed), o_g.at[si, rows])
+        mgpu.store_tile(program_slots(), o_g.at[si, rows])
 
     return plgpu.kernel(
         moe_down, out_type=jax.ShapeDtypeStruct((u_n if per_slot else programs, m, n_pad), jnp.float32),
