@@ -313,6 +313,11 @@ def _thread_rows():
     return arith.remui(lane, c(4)), arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
 
 
+def _lane(vec, j: int):
+    """Element j of an MLIR vector value (a static extract)."""
+    return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([j]))
+
+
 def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
     """Inside an inline_mgpu body: the thread's decoded code pairs of quad `quad` of a step,
     pairs[r][k][a] (i32 = bf16x2: codes a, a + 4 of word k of its 16-byte group, in row
@@ -334,9 +339,8 @@ def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
         code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
         # bf16 bits of 2^(code - 1) in both halves (DECODE_PROGRAM's factor)
         scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
-        pairs.append([list(mgpu_utils.inline_ptx(ptx, vector.extract(words, dynamic_position=[],
-                                                                     static_position=ir.DenseI64ArrayAttr.get([k])),
-                                                 scale, result_types=[i32] * 4)) for k in range(4)])
+        pairs.append([list(mgpu_utils.inline_ptx(ptx, _lane(words, k), scale, result_types=[i32] * 4))
+                      for k in range(4)])
     return pairs
 
 
@@ -404,7 +408,6 @@ def _mma_sync_step(accs, mats, x_s):
         half_off = (arith.addi(lane_off, swap), arith.subi(arith.addi(lane_off, c(16)), swap))
         vec_ty = ir.VectorType.get((4,), i32)
         regs = [np.array(a.registers, copy=True) for a in accs]
-        elem = lambda v, j: vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([j]))
         for quad in range(x_s.shape[0] // 2):
             pairs = [_decoded_pairs(refs[2 * m], refs[2 * m + 1], quad) for m in range(n_m)]
             for h in range(2):                          # K-tile 2 quad + h
@@ -414,14 +417,14 @@ def _mma_sync_step(accs, mats, x_s):
                     base = (t * n_pad + 8 * nt) * BLOCK * 2
                     words = [llvm.load(vec_ty, mgpu_utils.getelementptr(x_ptr, [arith.addi(off, c(base))], i8),
                                        alignment=16) for off in half_off]
-                    b.append([elem(words[j // 4], j % 4) for j in range(8)])
+                    b.append([_lane(words[j // 4], j % 4) for j in range(8)])
                 for i in range(4):                      # k16 step: word 2h + i // 2, pairs a0, a0 + 1
                     k, a0 = 2 * h + i // 2, 2 * (i % 2)
                     for m in range(n_m):
                         p = pairs[m]
                         a_regs = [p[0][k][a0], p[1][k][a0], p[0][k][a0 + 1], p[1][k][a0 + 1]]
                         for nt in range(n_pad // 8):
-                            acc = [elem(regs[m][0, nt, 0, 0, r, 0, 0, 0, 0], e) for r in range(2) for e in range(2)]
+                            acc = [_lane(regs[m][0, nt, 0, 0, r, 0, 0, 0, 0], e) for r in range(2) for e in range(2)]
                             d = mgpu_utils.inline_ptx(MMA_PTX, *a_regs, b[nt][2 * i], b[nt][2 * i + 1], *acc,
                                                       result_types=[f32] * 4)
                             for r in range(2):
@@ -798,7 +801,8 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         coef = weights[0].astype(jnp.float32)
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, _by_mma_sync(mx, n_pad))
+    sync = _by_mma_sync(mx, n_pad)      # the kernels decide the same; the layouts of z and h follow it
+    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, sync)
     h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta)
     if n >= GROUPED_DOWN_FROM[mx]:
         slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
@@ -807,7 +811,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         token = jnp.where(skip, n_pad, choices // k)                      # n_pad: past h, read as zeros
         hs = h.at[row[:, None], token].get(mode="fill", fill_value=0)      # [S, G, I]
         return _grouped_down(hs, slot_expert, where, experts).astype(z.dtype)
-    ht = _x_layout(h, experts, _by_mma_sync(mx, n_pad))                  # per slot, as z
+    ht = _x_layout(h, experts, sync)                                      # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
     part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
     return part.sum(0).T[:n].astype(z.dtype)

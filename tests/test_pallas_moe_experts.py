@@ -233,14 +233,28 @@ def test_bf16_coverage_and_stages():
     assert me._stages(8, 2, False) == 3 and me._stages(8, 1, False) == 4
 
 
-def _export_has_kernels(experts, n, m, k, act) -> bool:
+def _cuda_module(experts, n, m, k, act) -> str:
+    """The CUDA export (lowered on this CPU machine) of moe_experts for n tokens: its MLIR text."""
     s = jax.ShapeDtypeStruct
     fn = jax.jit(lambda z, ids, w, x: me.moe_experts(z, ids, w, x, **dict(act)))
     with mgpu.compile_for_gpu():
         exported = jax.export.export(fn, platforms=["cuda"])(
             s((n, m), jnp.bfloat16), s((n, k), jnp.int32), s((n, k), jnp.float32), experts)
-    module = exported.mlir_module()     # named kernels: profiles attribute time per kernel
+    return exported.mlir_module()
+
+
+def _export_has_kernels(experts, n, m, k, act) -> bool:
+    module = _cuda_module(experts, n, m, k, act)     # named kernels: profiles attribute time per kernel
     return "moe_gate_up_mosaic_gpu" in module and "moe_down_mosaic_gpu" in module
+
+
+def _k3_mxfp4_shapes(e: int, tiled: bool) -> ops.ExpertWeights:
+    """Shape-only MXFP4 experts at K3's M and I (E experts) for the CUDA exports."""
+    m, i = me.K3_M, me.K3_I
+    s = jax.ShapeDtypeStruct
+    return ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
+                             s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
+                             tiled=tiled)
 
 
 @pytest.mark.parametrize("n,e,tiled", [(1, 448, False), (8, 896, False), (64, 448, False), (1, 448, True), (8, 448, True),
@@ -248,31 +262,18 @@ def _export_has_kernels(experts, n, m, k, act) -> bool:
 def test_moe_experts_cuda_export(n, e, tiled):
     """Lowers the real (compiled) kernels for CUDA at K3 shapes on this CPU machine (experts in
     row order or in tiles)."""
-    m, i, k = me.K3_M, me.K3_I, me.K3_K
-    s = jax.ShapeDtypeStruct
-    experts = ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
-                                s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
-                                tiled=tiled)
-    assert _export_has_kernels(experts, n, m, k, me.ACT)
+    assert _export_has_kernels(_k3_mxfp4_shapes(e, tiled), n, me.K3_M, me.K3_K, me.ACT)
 
 
 def test_mma_sync_is_what_runs_up_to_eight_tokens(monkeypatch):
     """The compiled MXFP4 kernels multiply by mma.sync up to MMA_SYNC_MAX_TOKENS (batch 1 here) and
     by wgmma with it at 0 (the ablation): the exported kernels carry that instruction."""
-    m, i, k, e = me.K3_M, me.K3_I, me.K3_K, 32
-    s = jax.ShapeDtypeStruct
-    experts = ops.ExpertWeights(s((e, i, m // 2), jnp.uint8), s((e, i, m // 2), jnp.uint8), s((e, m, i // 2), jnp.uint8),
-                                s((e, i, m // 32), jnp.uint8), s((e, i, m // 32), jnp.uint8), s((e, m, i // 32), jnp.uint8),
-                                tiled=True)
-
-    def exported():
-        fn = jax.jit(lambda z, ids, w, x: me.moe_experts(z, ids, w, x, **dict(me.ACT)))
-        with mgpu.compile_for_gpu():
-            return jax.export.export(fn, platforms=["cuda"])(
-                s((1, m), jnp.bfloat16), s((1, k), jnp.int32), s((1, k), jnp.float32), experts).mlir_module()
-    assert "mma.sync.aligned.m16n8k16" in exported() and "wgmma.mma_async" not in exported()
+    experts = _k3_mxfp4_shapes(32, tiled=True)
+    module = _cuda_module(experts, 1, me.K3_M, me.K3_K, me.ACT)
+    assert "mma.sync.aligned.m16n8k16" in module and "wgmma.mma_async" not in module
     monkeypatch.setattr(me, "MMA_SYNC_MAX_TOKENS", 0)
-    assert "mma.sync.aligned.m16n8k16" not in exported() and "wgmma.mma_async" in exported()
+    module = _cuda_module(experts, 1, me.K3_M, me.K3_K, me.ACT)
+    assert "mma.sync.aligned.m16n8k16" not in module and "wgmma.mma_async" in module
 
 
 @pytest.mark.parametrize("n,shape,act", [(1, me.KL_SHAPE, me.KL_ACT), (32, me.KL_SHAPE, me.KL_ACT),
