@@ -48,12 +48,12 @@ Stages (`OCCUPANCY`): as many as keep three programs resident per SM (136 regist
 decodes while the others wait on their loads: 1 for gate/up and 2 for down from 1 to 16 tokens.
 MX_STEP (input columns per step) is 512 (256 and 128 measured no faster).
 
-Up to MMA_SYNC_MAX_TOKENS = 8 tokens per call or slot (batch 1-8, the grouped schedule's slots)
-the compiled kernels multiply by warp-level `mma.sync.m16n8k16` instead (`_mma_sync_step`): the
-same decoded pairs are its A fragments (a warp's 16 rows of the WGMMA register layout are the
-mma.sync fragment), each thread reads its B fragments from SMEM with two 16-byte loads per K-tile
-(the activations in `mma_x_order`: a thread's 8 pairs contiguous, halves swapped for odd tokens
-so an LDS.128 phase hits 8 bank groups), and the float32 accumulators are the pipeline's carry.
+For experts in tiles, up to MMA_SYNC_MAX_TOKENS = 8 tokens per call or slot (batch 1-8, the
+grouped schedule's slots), the compiled kernels multiply by warp-level `mma.sync.m16n8k16` instead
+(`_mma_sync_step`): the same decoded pairs are its A fragments (a warp's 16 rows of the WGMMA
+register layout are the mma.sync fragment), each thread reads its B fragments from SMEM, the
+activations of its own 32 columns in column order (TMA-tiled and swizzled: no XLA permutation of
+z or h), and the float32 accumulators are the pipeline's carry.
 No wgmma means no SMEM descriptors: Mosaic hoisted a step's 32 of them into 64 registers and
 moved two into uniform registers per wgmma (R2UR / UMOV, 13% of the gate/up kernel's
 instructions at batch 1); the mma.sync kernels run in 63 (gate/up) and 56 (down) registers, and
@@ -373,63 +373,53 @@ MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
 
 
-def mma_x_order(xt: jax.Array) -> jax.Array:
-    """Activation K-tiles [..., T, Np, 64] (`_k_tiles`) -> the same shape in `_mma_sync_step`'s
-    fragment order: per token n and thread quad q (position p = 16i + 8c + 2q + e of a K-tile), the
-    8 bf16 pairs (i, c) of its mma.sync B fragments as 32 contiguous bytes, the two 16-byte halves
-    (i // 2) swapped for odd n (the 8 lanes of an LDS.128 phase then hit 8 distinct bank groups)."""
-    *lead, t, n, _ = xt.shape
-    y = xt.reshape(*lead, t, n, 2, 2, 2, 4, 2)                          # (ih, il, c, q, e)
-    nl = len(lead) + 2
-    y = y.transpose(*range(nl), nl + 3, nl, nl + 1, nl + 2, nl + 4)     # (q, ih, il, c, e)
-    odd = (jnp.arange(n) % 2 == 1).reshape(n, 1, 1, 1, 1, 1)
-    y = jnp.where(odd, jnp.flip(y, axis=-4), y)
-    return y.reshape(xt.shape)
-
-
 def _mma_sync_step(accs, mats, x_s):
     """One pipeline step by mma.sync (warp-level m16n8k16, B fragments from SMEM: no wgmma
     descriptors). accs: float32 [64, Np] arrays in the WGMMA layout (the mma.sync C fragment of
-    each warp's 16 rows), one per matrix; mats: (codes, scales) SMEM refs per matrix; x_s
-    [cols/64, Np, 64] bf16 in `mma_x_order` (cols: the step's columns). Returns accs + W_step @ x_step."""
-    n_m, n_pad = len(mats), x_s.shape[1]
+    each warp's 16 rows), one per matrix; mats: (codes, scales) SMEM refs per matrix of experts in
+    tiles; x_s [Np, cols] bf16, the step's activations in column order, tiled (8, 64) and swizzled
+    (TILED). Returns accs + W_step @ x_step.
+
+    Codes in tiles are paired (mxfp4.pair_nibbles): word k of the thread's 16-byte group (columns
+    32q..32q+31 of a quad) decodes to columns 8k + 2a, +1, so its activations are the 16 bytes
+    8k.. of the same columns: chunk k of the thread's 64 bytes, in K-tile 2 quad + q // 2 of the
+    row, chunk 4 (q % 2) + k, which the 128-byte swizzle stores at chunk (4 (q % 2) + k) ^ (row % 8).
+    mma step i of the quad's K-tile h takes word k = 2h + i // 2, pairs a0 = 2 (i % 2), a0 + 1 as A
+    (rows g, g + 8) and words a0, a0 + 1 of chunk k as B: the wgmma register order of `_decode_quad`."""
+    n_m, n_pad = len(mats), x_s.shape[0]
     acc_t = plgpu.ShapeDtypeStruct((BLOCK, n_pad), jnp.float32, layout=WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=((WGMMA,) * n_m, (plgpu.RefType(),) * (2 * n_m), plgpu.RefType()),
+    @plgpu.inline_mgpu(arg_types=((WGMMA,) * n_m, (plgpu.RefType(),) * (2 * n_m), plgpu.RefType(transforms=TILED)),
                        return_type=(acc_t,) * n_m)
     def step(_, accs, refs, x_ref):
         i8, i32, f32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32), ir.F32Type.get()
         c = lambda v: mgpu_utils.c(v, i32)
+        row_tiles, ktiles, *tile = ir.MemRefType(x_ref.type).shape
+        assert tile == [8, BLOCK] and row_tiles == n_pad // 8, ir.MemRefType(x_ref.type)
         q, row0 = _thread_rows()
         g = arith.remui(row0, c(8))                     # the thread's token in each 8-token tile
         x_ptr = mgpu_utils.memref_ptr(x_ref)
-        lane_off = arith.muli(arith.addi(arith.muli(g, c(4)), q), c(32))
-        swap = arith.muli(arith.andi(g, c(1)), c(16))
-        half_off = (arith.addi(lane_off, swap), arith.subi(arith.addi(lane_off, c(16)), swap))
+        lane = arith.addi(arith.muli(arith.divui(q, c(2)), c(1024)), arith.muli(g, c(128)))
+        chunk = [arith.addi(lane, arith.muli(arith.xori(arith.addi(arith.muli(arith.remui(q, c(2)), c(4)), c(k)), g), c(16)))
+                 for k in range(4)]                     # byte offsets of chunks k = 0..3 in K-tile pair 0
         vec_ty = ir.VectorType.get((4,), i32)
         regs = [np.array(a.registers, copy=True) for a in accs]
-        for quad in range(x_s.shape[0] // 2):
+        for quad in range(ktiles // 2):
             pairs = [_decoded_pairs(refs[2 * m], refs[2 * m + 1], quad) for m in range(n_m)]
-            for h in range(2):                          # K-tile 2 quad + h
-                t = 2 * quad + h
-                b = []                                  # b[nt][2i + cc]
-                for nt in range(n_pad // 8):
-                    base = (t * n_pad + 8 * nt) * BLOCK * 2
-                    words = [llvm.load(vec_ty, mgpu_utils.getelementptr(x_ptr, [arith.addi(off, c(base))], i8),
-                                       alignment=16) for off in half_off]
-                    b.append([_lane(words[j // 4], j % 4) for j in range(8)])
-                for i in range(4):                      # k16 step: word 2h + i // 2, pairs a0, a0 + 1
-                    k, a0 = 2 * h + i // 2, 2 * (i % 2)
-                    for m in range(n_m):
-                        p = pairs[m]
-                        a_regs = [p[0][k][a0], p[1][k][a0], p[0][k][a0 + 1], p[1][k][a0 + 1]]
-                        for nt in range(n_pad // 8):
-                            acc = [_lane(regs[m][0, nt, 0, 0, r, 0, 0, 0, 0], e) for r in range(2) for e in range(2)]
-                            d = mgpu_utils.inline_ptx(MMA_PTX, *a_regs, b[nt][2 * i], b[nt][2 * i + 1], *acc,
-                                                      result_types=[f32] * 4)
-                            for r in range(2):
-                                regs[m][0, nt, 0, 0, r, 0, 0, 0, 0] = vector.from_elements(
-                                    ir.VectorType.get((2,), f32), [d[2 * r], d[2 * r + 1]])
+            b = [[llvm.load(vec_ty, mgpu_utils.getelementptr(x_ptr, [arith.addi(off, c((nt * ktiles + 2 * quad) * 1024))], i8),
+                            alignment=16) for off in chunk] for nt in range(n_pad // 8)]     # b[nt][k]: 4 words
+            for i in range(8):                          # mma step: K-tile i // 4, word k, pairs a0, a0 + 1
+                k, a0 = 2 * (i // 4) + (i % 4) // 2, 2 * (i % 2)
+                for m in range(n_m):
+                    p = pairs[m]
+                    a_regs = [p[0][k][a0], p[1][k][a0], p[0][k][a0 + 1], p[1][k][a0 + 1]]
+                    for nt in range(n_pad // 8):
+                        acc = [_lane(regs[m][0, nt, 0, 0, r, 0, 0, 0, 0], e) for r in range(2) for e in range(2)]
+                        d = mgpu_utils.inline_ptx(MMA_PTX, *a_regs, _lane(b[nt][k], a0), _lane(b[nt][k], a0 + 1), *acc,
+                                                  result_types=[f32] * 4)
+                        for r in range(2):
+                            regs[m][0, nt, 0, 0, r, 0, 0, 0, 0] = vector.from_elements(
+                                ir.VectorType.get((2,), f32), [d[2 * r], d[2 * r + 1]])
         return tuple(mgpu_fa.FragmentedArray(_registers=x, _layout=mgpu_fa.WGMMA_LAYOUT, _is_signed=None)
                      for x in regs)
 
@@ -502,26 +492,26 @@ def _weight_specs(mxfp4: bool, tiled: bool = False, cols: int = MX_STEP):
 
 
 def _x_spec(n_pad: int, mxfp4: bool, mma_sync: bool = False, cols: int = MX_STEP):
-    """The activations' block per step: MXFP4 reads permuted K-tiles [cols/64, Np, 64] (`_x_layout`;
-    mma_sync: in `mma_x_order`, unswizzled), bf16 a plain [Np, 128] slice (wgmma transposes it as
-    the B operand)."""
+    """The activations' block per step: MXFP4 reads permuted K-tiles [cols/64, Np, 64] (`_x_layout`),
+    or by mma.sync a plain [Np, cols] slice; bf16 a plain [Np, 128] slice (wgmma transposes it as
+    the B operand). Plain slices are tiled (8, 64) and swizzled in SMEM."""
+    if mxfp4 and not mma_sync:
+        return plgpu.BlockSpec((cols // BLOCK, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=TILED)
     if mxfp4:
-        return plgpu.BlockSpec((cols // BLOCK, n_pad, BLOCK), lambda k: (k, 0, 0), transforms=() if mma_sync else TILED)
+        return plgpu.BlockSpec((n_pad, cols), lambda k: (0, k), transforms=TILED)
     return plgpu.BlockSpec((n_pad, BF16_STEP), lambda k: (0, k), transforms=TILED)
 
 
 def _x_layout(x: jax.Array, experts: ops.ExpertWeights, mma_sync: bool = False) -> jax.Array:
-    """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4; mma_sync:
-    then in `mma_x_order`) or x."""
-    if not experts.is_mxfp4:
-        return x
-    xt = _k_tiles(x, experts.tiled)
-    return mma_x_order(xt) if mma_sync else xt
+    """x [..., Np, D] -> the layout `_x_spec` slices: [..., D/64, Np, 64] permuted (MXFP4 by wgmma)
+    or x (bf16; MXFP4 by mma.sync: column order)."""
+    return _k_tiles(x, experts.tiled) if experts.is_mxfp4 and not mma_sync else x
 
 
-def _by_mma_sync(mxfp4: bool, n_pad: int) -> bool:
-    """Whether the kernels multiply by mma.sync (compiled MXFP4, MMA_SYNC_MAX_TOKENS) or wgmma."""
-    return mxfp4 and n_pad <= MMA_SYNC_MAX_TOKENS and mgpu.interpret_params() is None
+def _by_mma_sync(mxfp4_tiles: bool, n_pad: int) -> bool:
+    """Whether the kernels multiply by mma.sync (compiled, MXFP4 experts in tiles, MMA_SYNC_MAX_TOKENS)
+    or by wgmma."""
+    return mxfp4_tiles and n_pad <= MMA_SYNC_MAX_TOKENS and mgpu.interpret_params() is None
 
 
 def _step_scales(s_s, k, tiled: bool, cols: int = MX_STEP):
@@ -554,9 +544,9 @@ def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
     mx = len(gate) == 2
     staged = mx and mgpu.interpret_params() is not None
-    sync = _by_mma_sync(mx, n_pad)
+    sync = _by_mma_sync(tiled, n_pad)
     cols = GATE_UP_SYNC_COLS if sync else _step(mx)
-    steps = (zt.shape[-3] * BLOCK if mx else zt.shape[-1]) // cols
+    steps = (zt.shape[-3] * BLOCK if mx and not sync else zt.shape[-1]) // cols
     stages = GATE_UP_SYNC_STAGES if sync else _stages(n_pad, 2, mx)
     specs = _weight_specs(mx, tiled, cols) * 2 + [_x_spec(n_pad, mx, sync, cols)]
 
@@ -650,7 +640,7 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
     mx = len(down) == 2
     stages = _stages(n_pad, 1, mx)
     staged = mx and mgpu.interpret_params() is not None
-    sync = _by_mma_sync(mx, n_pad)
+    sync = _by_mma_sync(tiled, n_pad)
 
     def moe_down(ht_g, uniq_g, *refs):
         *w_g, o_g = refs
@@ -760,7 +750,7 @@ def _moe_groups(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: 
     uniq, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
     zs = jnp.pad(z, ((0, 1), (0, 0)))[choices // ids.shape[1]]           # [S, G, M]; unused columns 0
     coef = jnp.pad(weights.reshape(-1).astype(jnp.float32), (0, 1))[choices]
-    h = _gate_up(_x_layout(zs, experts, _by_mma_sync(experts.is_mxfp4, zs.shape[1])), uniq, coef, gate, up,
+    h = _gate_up(_x_layout(zs, experts, _by_mma_sync(experts.is_mxfp4 and experts.tiled, zs.shape[1])), uniq, coef, gate, up,
                  act=act, beta=beta, linear_beta=linear_beta, per_slot=True)
     return _grouped_down(h, uniq, where, experts).astype(z.dtype)
 
@@ -773,7 +763,7 @@ def _grouped_down(hs: jax.Array, uniq: jax.Array, where: jax.Array, experts: ops
     slots, g, inter = hs.shape
     _, _, down = _operands(experts)
     m = down[0].shape[1] * (BLOCK if experts.tiled else 1)
-    part = _down(_x_layout(hs, experts, _by_mma_sync(experts.is_mxfp4, g)), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
+    part = _down(_x_layout(hs, experts, _by_mma_sync(experts.is_mxfp4 and experts.tiled, g)), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
                  steps=inter // _step(experts.is_mxfp4), per_slot=True)
     rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
     return rows[where].sum(1)
@@ -801,7 +791,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         coef = weights[0].astype(jnp.float32)
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
-    sync = _by_mma_sync(mx, n_pad)      # the kernels decide the same; the layouts of z and h follow it
+    sync = _by_mma_sync(mx and experts.tiled, n_pad)      # the kernels decide the same; the layouts of z and h follow it
     zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, sync)
     h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta)
     if n >= GROUPED_DOWN_FROM[mx]:

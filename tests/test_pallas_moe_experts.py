@@ -5,6 +5,8 @@ export of the K3 and Kimi-Linear shapes on CPU, and the real kernel on a GPU. In
 slow (~10 s per MXFP4 kernel call, ~2 s bf16), so the CPU sweep keeps the cheapest cases;
 `python -m k3jax.validate --op moe_experts` runs all of them."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,23 +135,6 @@ def test_permute_k_is_a_permutation_per_128_columns():
     assert sorted(t[0]) == list(range(256)) and t[0, 32 * 2 + 8 * 3 + 2 * 1 + 1] == 32 * 1 + 8 * 2 + 2 * 3 + 1
 
 
-def test_mma_x_order_gives_each_thread_its_b_fragments():
-    """`_mma_sync_step` reads thread (g, q)'s B fragments of K-tile t, token tile nt as two 16-byte
-    halves ih at element ((t Np + 8 nt + g) 4 + q) 16 + 8 (ih ^ g % 2), pair j % 4 of half j // 4
-    being fragment j = 2i + c: x[8 nt + g, 16i + 8c + 2q + e]. Each 8-lane LDS.128 phase (two tokens,
-    four q) then covers eight distinct 16-byte bank groups."""
-    t, n = 3, 16
-    x = np.arange(t * n * 64).reshape(t, n, 64)
-    lay = np.asarray(me.mma_x_order(jnp.asarray(x))).reshape(-1)
-    tt, nt, g, q, i, c, e = np.meshgrid(*map(np.arange, (t, n // 8, 8, 4, 4, 2, 2)), indexing="ij")
-    j = 2 * i + c
-    at = ((tt * n + 8 * nt + g) * 4 + q) * 16 + 8 * ((j // 4) ^ (g % 2)) + 2 * (j % 4) + e
-    assert (lay[at] == x[tt, 8 * nt + g, 16 * i + 8 * c + 2 * q + e]).all()
-    for ih in range(2):     # lanes 0-7: tokens 0, 1 x q 0..3 -> byte offsets mod 128
-        banks = {(((g * 4 + q) * 16 + 8 * (ih ^ g % 2)) * 2) % 128 // 16 for g in range(2) for q in range(4)}
-        assert len(banks) == 8
-
-
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_moe_experts_matches_reference_interpret(case):
     r = validate.check_case(SPEC, "pallas", me.moe_experts, case, seed=3, repeats=1)
@@ -266,11 +251,15 @@ def test_moe_experts_cuda_export(n, e, tiled):
 
 
 def test_mma_sync_is_what_runs_up_to_eight_tokens(monkeypatch):
-    """The compiled MXFP4 kernels multiply by mma.sync up to MMA_SYNC_MAX_TOKENS (batch 1 here) and
-    by wgmma with it at 0 (the ablation): the exported kernels carry that instruction."""
+    """The compiled kernels for MXFP4 experts in tiles multiply by mma.sync up to MMA_SYNC_MAX_TOKENS
+    (batch 1 here) and by wgmma with it at 0 (the ablation) or for experts in row order: the
+    exported kernels carry that instruction (and lowering checks the activations' SMEM tiling
+    `_mma_sync_step` addresses)."""
     experts = _k3_mxfp4_shapes(32, tiled=True)
     module = _cuda_module(experts, 1, me.K3_M, me.K3_K, me.ACT)
     assert "mma.sync.aligned.m16n8k16" in module and "wgmma.mma_async" not in module
+    module = _cuda_module(dataclasses.replace(experts, tiled=False), 1, me.K3_M, me.K3_K, me.ACT)
+    assert "mma.sync.aligned.m16n8k16" not in module and "wgmma.mma_async" in module
     monkeypatch.setattr(me, "MMA_SYNC_MAX_TOKENS", 0)
     module = _cuda_module(experts, 1, me.K3_M, me.K3_K, me.ACT)
     assert "mma.sync.aligned.m16n8k16" not in module and "wgmma.mma_async" in module
