@@ -57,8 +57,8 @@ z or h), and the float32 accumulators are the pipeline's carry.
 No wgmma means no SMEM descriptors: Mosaic hoisted a step's 32 of them into 64 registers and
 moved two into uniform registers per wgmma (R2UR / UMOV, 13% of the gate/up kernel's
 instructions at batch 1); the mma.sync kernels run in 63 (gate/up) and 56 (down) registers, and
-the gate/up kernel takes 256-column steps in one stage (GATE_UP_SYNC_COLS / _STAGES), so batch
-1's 768 programs are resident at once instead of in two waves of three per SM.
+both take 256-column steps in one stage (GATE_UP_SYNC_* / DOWN_SYNC_*), so batch 1's 768 gate/up
+and 896 down programs are each resident at once instead of in two waves.
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Time has followed
@@ -183,6 +183,11 @@ MMA_SYNC_MAX_TOKENS = 8
 # stage 93.5 (5 per SM: 1.16 waves) / padded to 3 per SM 80.2, 256 columns one stage 75.8,
 # CuTe 75.9).
 GATE_UP_SYNC_COLS, GATE_UP_SYNC_STAGES = 256, 1
+# The mma.sync down kernel's step and stages: as gate/up's, 256 columns in one stage (13 KB), so
+# batch 1's 896 programs are resident at once (512 x 2 stages: 4 per SM, 1.7 waves). H100 at
+# boost, session 38, down us 512 x 2 -> 256 x 1: b1 39.1 -> 37.7, b8 266.3 -> 241.6, b32 (grouped
+# slots) 774.7 -> 754.6, b128 1196.8 -> 1113.3.
+DOWN_SYNC_COLS, DOWN_SYNC_STAGES = 256, 1
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)      # one value per accumulator column
@@ -530,7 +535,7 @@ def _staging(body, staged: bool):
     return pl.run_scoped(body, plgpu.SMEM((BLOCK, BLOCK), jnp.bfloat16, transforms=TILED))
 
 
-def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool = False):
+def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool = False, n_pad: int | None = None):
     """h [U, Np, I] bf16 = coef[u, n] * glu(z w1_u.T, z w3_u.T) for every slot u (0 for padding);
     coef [U, Np] float32, or [U] (one token: a scalar per slot, which also multiplies the padding
     columns, whose h is 0: their z rows are).
@@ -538,8 +543,9 @@ def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool
     a permutation within rows of I and the mixed schedule gathers whole rows (H100, session 30,
     against [U, I, Np]: 16 tokens op 1354 vs 1443 us, gate/up 852 vs 942; 1 and 8 tokens equal;
     128 grouped +0.5%). zt: z [Np, M] in `_x_layout`, or per_slot each slot's own tokens
-    [U, Np, M] in `_x_layout`; gate, up: `_operands` of w1, w3."""
-    u_n, n_pad = uniq.shape[0], zt.shape[-2]
+    [U, Np, M] in `_x_layout`; by mma.sync z [N, M] unpadded may come with n_pad = Np (the TMA
+    zero-fills rows N..Np-1: no XLA pad before the kernel); gate, up: `_operands` of w1, w3."""
+    u_n, n_pad = uniq.shape[0], n_pad or zt.shape[-2]
     tiled = gate[0].ndim == 5
     n_exp, inter = gate[0].shape[0], gate[0].shape[1] * (BLOCK if tiled else 1)
     mx = len(gate) == 2
@@ -627,20 +633,22 @@ def down_splits(out_tiles: int, inter: int, slots: int, n_pad: int, sms: int, we
     return best[1]
 
 
-def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bool = False):
+def _down(ht, uniq, down, programs: int, *, n_pad: int, per_slot: bool = False):
     """float32 partials of w2_u @ h_u, a program per 64 output rows and U/programs slots u:
     [programs, M, Np], each the sum over its program's consecutive slots; or, per_slot, [U, M, Np],
     each valid slot's own (a program's slots strided by `programs`: one expert's slots, adjacent,
     run side by side and share its weight reads in L2; unused slots' rows are left unwritten).
-    ht: h [U, Np, I] in `_x_layout` (per slot); down: `_operands` of w2; steps: I / step columns."""
+    ht: h [U, Np, I] in `_x_layout` (per slot); down: `_operands` of w2."""
     u_n = uniq.shape[0]
     tiled = down[0].ndim == 5
     n_exp, m = down[0].shape[0], down[0].shape[1] * (BLOCK if tiled else 1)
     per = u_n // programs
     mx = len(down) == 2
-    stages = _stages(n_pad, 1, mx)
     staged = mx and mgpu.interpret_params() is not None
     sync = _by_mma_sync(tiled, n_pad)
+    cols = DOWN_SYNC_COLS if sync else _step(mx)
+    steps = (ht.shape[-3] * BLOCK if mx and not sync else ht.shape[-1]) // cols
+    stages = DOWN_SYNC_STAGES if sync else _stages(n_pad, 1, mx)
 
     def moe_down(ht_g, uniq_g, *refs):
         *w_g, o_g = refs
@@ -662,10 +670,10 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, steps: int, per_slot: bo
             """acc + w2_eid's rows @ h_u, streamed (mma.sync; acc a value)."""
             def step(idx, *args):
                 *w_s, x_s, (a,) = args
-                return _mma_sync_step((a,), [(w_s[0], _step_scales(w_s[1], idx[0], tiled))], x_s)
+                return _mma_sync_step((a,), [(w_s[0], _step_scales(w_s[1], idx[0], tiled, cols))], x_s)
             return plgpu.emit_pipeline(
                 step, grid=(steps,), max_concurrent_steps=stages, init_carry=(acc,),
-                in_specs=_weight_specs(mx, tiled) + [_x_spec(n_pad, mx, mma_sync=True)],
+                in_specs=_weight_specs(mx, tiled, cols) + [_x_spec(n_pad, mx, mma_sync=True, cols=cols)],
             )(*(w.at[eid, oi if tiled else rows] for w in w_g), ht_g.at[u])[0]
 
         def accumulated(body):
@@ -760,11 +768,11 @@ def _grouped_down(hs: jax.Array, uniq: jax.Array, where: jax.Array, experts: ops
     its own tokens), uniq [S] and where [N, k] from ops.expert_groups -> [N, M] float32. The down
     kernel stores each slot's partial [M, G]; each token sums its k partial rows in choice order
     (a gather: deterministic)."""
-    slots, g, inter = hs.shape
+    slots, g, _ = hs.shape
     _, _, down = _operands(experts)
     m = down[0].shape[1] * (BLOCK if experts.tiled else 1)
-    part = _down(_x_layout(hs, experts, _by_mma_sync(experts.is_mxfp4 and experts.tiled, g)), uniq, down, slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g,
-                 steps=inter // _step(experts.is_mxfp4), per_slot=True)
+    part = _down(_x_layout(hs, experts, _by_mma_sync(experts.is_mxfp4 and experts.tiled, g)), uniq, down,
+                 slots // DOWN_SLOTS_PER_PROGRAM, n_pad=g, per_slot=True)
     rows = jnp.pad(jnp.swapaxes(part, 1, 2).reshape(slots * g, m), ((0, 1), (0, 0)))       # + a zero row
     return rows[where].sum(1)
 
@@ -779,7 +787,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     n, k = ids.shape
     n_exp, inter = experts.w1.shape[:2]
     m = z.shape[1]
-    mx, step = experts.is_mxfp4, _step(experts.is_mxfp4)
+    mx = experts.is_mxfp4
     gate, up, down = _operands(experts)
     n_pad = max(8, -(-n // 8) * 8)
     slots = min(n_exp, n * k)
@@ -792,8 +800,8 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
     sync = _by_mma_sync(mx and experts.tiled, n_pad)      # the kernels decide the same; the layouts of z and h follow it
-    zt = _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, sync)
-    h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta)
+    zt = z if sync else _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, sync)   # mma.sync: padded by the TMA
+    h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta, n_pad=n_pad)
     if n >= GROUPED_DOWN_FROM[mx]:
         slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
         row = jnp.searchsorted(uniq, slot_expert)        # each slot's expert's row of h (uniq sorted: n > 1)
@@ -803,7 +811,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
         return _grouped_down(hs, slot_expert, where, experts).astype(z.dtype)
     ht = _x_layout(h, experts, sync)                                      # per slot, as z
     splits = down_splits(m // BLOCK, inter, slots, n_pad, mgpu.num_sms(), 0.5 if mx else 2.0)
-    part = _down(ht, uniq, down, splits, n_pad=n_pad, steps=inter // step)
+    part = _down(ht, uniq, down, splits, n_pad=n_pad)
     return part.sum(0).T[:n].astype(z.dtype)
 
 

@@ -254,10 +254,11 @@ def test_mma_sync_is_what_runs_up_to_eight_tokens(monkeypatch):
     """The compiled kernels for MXFP4 experts in tiles multiply by mma.sync up to MMA_SYNC_MAX_TOKENS
     (batch 1 here) and by wgmma with it at 0 (the ablation) or for experts in row order: the
     exported kernels carry that instruction (and lowering checks the activations' SMEM tiling
-    `_mma_sync_step` addresses)."""
+    `_mma_sync_step` addresses). By mma.sync z goes in unpadded (the TMA zero-fills the rows to 8)."""
     experts = _k3_mxfp4_shapes(32, tiled=True)
     module = _cuda_module(experts, 1, me.K3_M, me.K3_K, me.ACT)
     assert "mma.sync.aligned.m16n8k16" in module and "wgmma.mma_async" not in module
+    assert "stablehlo.pad" not in module
     module = _cuda_module(dataclasses.replace(experts, tiled=False), 1, me.K3_M, me.K3_K, me.ACT)
     assert "mma.sync.aligned.m16n8k16" not in module and "wgmma.mma_async" in module
     monkeypatch.setattr(me, "MMA_SYNC_MAX_TOKENS", 0)
