@@ -56,7 +56,7 @@ activations of its own 32 columns in column order (TMA-tiled and swizzled: no XL
 z or h), and the float32 accumulators are the pipeline's carry.
 No wgmma means no SMEM descriptors: Mosaic hoisted a step's 32 of them into 64 registers and
 moved two into uniform registers per wgmma (R2UR / UMOV, 13% of the gate/up kernel's
-instructions at batch 1); the mma.sync kernels run in 63 (gate/up) and 56 (down) registers, and
+instructions at batch 1); the mma.sync kernels run in 64 (gate/up) and 48 (down) registers (ncu), and
 both take 256-column steps in one stage (GATE_UP_SYNC_* / DOWN_SYNC_*), so batch 1's 768 gate/up
 and 896 down programs are each resident at once instead of in two waves.
 
@@ -513,6 +513,12 @@ def _x_layout(x: jax.Array, experts: ops.ExpertWeights, mma_sync: bool = False) 
     return _k_tiles(x, experts.tiled) if experts.is_mxfp4 and not mma_sync else x
 
 
+def _x_columns(xt: jax.Array, mxfp4: bool, mma_sync: bool) -> int:
+    """The input columns D of activations xt in `_x_layout` (permuted K-tiles [..., D/64, Np, 64]
+    for MXFP4 by wgmma, else [..., Np, D])."""
+    return xt.shape[-3] * BLOCK if mxfp4 and not mma_sync else xt.shape[-1]
+
+
 def _by_mma_sync(mxfp4_tiles: bool, n_pad: int) -> bool:
     """Whether the kernels multiply by mma.sync (compiled, MXFP4 experts in tiles, MMA_SYNC_MAX_TOKENS)
     or by wgmma."""
@@ -552,7 +558,7 @@ def _gate_up(zt, uniq, coef, gate, up, *, act, beta, linear_beta, per_slot: bool
     staged = mx and mgpu.interpret_params() is not None
     sync = _by_mma_sync(tiled, n_pad)
     cols = GATE_UP_SYNC_COLS if sync else _step(mx)
-    steps = (zt.shape[-3] * BLOCK if mx and not sync else zt.shape[-1]) // cols
+    steps = _x_columns(zt, mx, sync) // cols
     stages = GATE_UP_SYNC_STAGES if sync else _stages(n_pad, 2, mx)
     specs = _weight_specs(mx, tiled, cols) * 2 + [_x_spec(n_pad, mx, sync, cols)]
 
@@ -647,7 +653,7 @@ def _down(ht, uniq, down, programs: int, *, n_pad: int, per_slot: bool = False):
     staged = mx and mgpu.interpret_params() is not None
     sync = _by_mma_sync(tiled, n_pad)
     cols = DOWN_SYNC_COLS if sync else _step(mx)
-    steps = (ht.shape[-3] * BLOCK if mx and not sync else ht.shape[-1]) // cols
+    steps = _x_columns(ht, mx, sync) // cols
     stages = DOWN_SYNC_STAGES if sync else _stages(n_pad, 1, mx)
 
     def moe_down(ht_g, uniq_g, *refs):
@@ -800,7 +806,7 @@ def _moe_rows(z, ids, weights, experts: ops.ExpertWeights, *, act: str, beta: fl
     else:
         coef = jnp.pad(coef, ((0, 0), (0, n_pad - n)))
     sync = _by_mma_sync(mx and experts.tiled, n_pad)      # the kernels decide the same; the layouts of z and h follow it
-    zt = z if sync else _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts, sync)   # mma.sync: padded by the TMA
+    zt = z if sync else _x_layout(jnp.pad(z, ((0, n_pad - n), (0, 0))), experts)   # mma.sync: padded by the TMA
     h = _gate_up(zt, uniq, coef, gate, up, act=act, beta=beta, linear_beta=linear_beta, n_pad=n_pad)
     if n >= GROUPED_DOWN_FROM[mx]:
         slot_expert, choices, where = ops.expert_groups(ids, n_exp, SLOT_TOKENS, DOWN_SLOTS_PER_PROGRAM)
