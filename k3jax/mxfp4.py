@@ -11,17 +11,16 @@ Tiled storage (`to_tiles` / `from_tiles`; the routed experts' `expert_layout = "
 two arrays, same shapes, with their bytes in tile order - per block of TILE_ROWS = 64 output rows,
 per TILE_COLS = 128 inputs, the 64 rows' 64 code bytes and their 4 scale bytes contiguous
 ([out/64, in/128, 64, 64] and [out/64, in/128, 64, 4] read as [out, in/2] and [out, in/32]) - and
-each 32-bit word of codes in pair order (`pair_nibbles`: its 8 columns' even codes in nibbles 0-3,
-the odd ones in 4-7). A decode kernel then streams 4 KB of codes (and 256 B of scales) per chunk
-in memory order instead of 64-byte pieces of 64 rows a row apart (DRAM locality, +6% for the CuTe
-kernels: H200, session 20, BENCHMARKS.md), and its bf16 pair of codes (a, a + 4) of a word holds
-columns 2a, 2a + 1: the CuTe kernels take the activations in column order (no XLA permutation).
-Needs out % 64 == 0 and in % 128 == 0.
+each 32-bit word of codes in tile-word form (`tile_words`): its 8 columns as 4 pairs (2a, 2a + 1),
+each code's sign and magnitude bits where the kernels' decode wants them (TILE_PAIR_BITS). A decode
+kernel then streams 4 KB of codes (and 256 B of scales) per chunk in memory order instead of
+64-byte pieces of 64 rows a row apart (DRAM locality, +6% for the CuTe kernels: H200, session 20,
+BENCHMARKS.md), its bf16 pair a of a word holds columns 2a, 2a + 1 (the kernels take the
+activations in column order: no XLA permutation), and it decodes a word in 13 instructions
+instead of 17 (DECODE_PROGRAMS). Needs out % 64 == 0 and in % 128 == 0.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,8 @@ SCALE_BIAS = 127
 # CuTe kernels give 0, the Pallas kernels E2M1 x 2^-127.
 DECODE_FACTOR_BIAS = 126
 DECODE_EXACT_SCALES = (2, 254 - DECODE_FACTOR_BIAS)
+PAIR_BITS = 0x81C081C0      # bf16x2 bits of two codes: sign 15, magnitude (e1 e0 m) 8..6; +16 for the high half
+NEG_ZERO2 = 0x80008000      # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
 
 
 def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
@@ -65,19 +66,25 @@ def _pow2(exponent_field: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(exponent_field.astype(jnp.uint32) << 23, jnp.float32)
 
 
-def code_values(codes: jax.Array) -> jax.Array:
-    """FP4 codes (any integer dtype, values 0..15) -> their E2M1 values in float32, unscaled.
-
-    Shared by `dequantize` and the Pallas MXFP4 kernels (which decode in registers).
-    """
-    e, m = (codes >> 1) & 3, (codes & 1).astype(jnp.float32)
+def e2m1_values(e: jax.Array, m: jax.Array, negative: jax.Array) -> jax.Array:
+    """E2M1 fields (exponent e 0..3, mantissa m 0..1, sign) -> their values in float32, unscaled:
+    m/2 for e = 0, else (1 + m/2) * 2^(e-1)."""
+    m = m.astype(jnp.float32)
     magnitude = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e.astype(jnp.uint32) + 126))
-    return jnp.where(codes >= 8, -magnitude, magnitude)
+    return jnp.where(negative, -magnitude, magnitude)
 
 
-def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
+def code_values(codes: jax.Array) -> jax.Array:
+    """FP4 codes (any integer dtype, values 0..15: sign bit 3, e bits 2-1, m bit 0) -> their E2M1
+    values in float32, unscaled."""
+    return e2m1_values((codes >> 1) & 3, codes & 1, codes >= 8)
+
+
+def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *,
+                      tile_words: bool = False) -> tuple[jax.Array, jax.Array]:
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> the even and the odd
-    input columns of W, each [..., out, in/2] in dtype (low and high nibbles of each byte).
+    input columns of W, each [..., out, in/2] in dtype: the low and high nibbles of each byte or,
+    tile_words, the codes of each word's columns 2a and 2a + 1 (`tile_word_values`).
 
     Pure integer/float elementwise arithmetic on the packed bytes (no table lookup, no
     interleaving), so XLA fuses each half into one pass over the bytes. An E2M1 code (sign s,
@@ -86,7 +93,8 @@ def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -
     """
     _check_packed(packed, scale)
     per_byte = _pow2(jnp.repeat(scale, GROUP // 2, axis=-1))              # one scale per packed byte
-    return tuple((code_values(c) * per_byte).astype(dtype) for c in (packed & 0x0F, packed >> 4))
+    values = tile_word_values(packed) if tile_words else (code_values(packed & 0x0F), code_values(packed >> 4))
+    return tuple((v * per_byte).astype(dtype) for v in values)
 
 
 def _check_packed(packed, scale) -> None:
@@ -108,7 +116,11 @@ def dequantize(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.A
 
 TILE_ROWS = 64       # output rows per tile
 TILE_COLS = 128      # inputs per tile: 64 code bytes and 4 scale bytes per row
-TILE_VERSION = 2     # of `to_tiles`' image, recorded with stored tiles; 1 held the codes in byte order
+TILE_VERSION = 3     # of `to_tiles`' image, recorded with stored tiles; 1: codes in byte order, 2: in pair order
+# Tile words: where pair a's low column keeps its code bits (m, e0, e1, sign), the high column 16
+# bits above. Pair 0 sits at PAIR_BITS, pairs 1 and 2 three and six bits below it (the decode
+# shifts them up), pair 3 in the bits left, placed for one shift, mask and multiply (DECODE_PROGRAMS).
+TILE_PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (14, 10, 11, 13))
 
 
 def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
@@ -152,35 +164,136 @@ def tile_view(a, *, scales: bool = False):
     return a.reshape(*lead, out // TILE_ROWS, c // per_tile_row, TILE_ROWS, per_tile_row)
 
 
-@functools.lru_cache(maxsize=None)
-def nibble_columns(width: int, tiled: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Which of `width` input columns the low and the high nibbles of a row's code bytes hold, in
-    byte order: (low, high), int32 [width / 2] each. Row order: the even and the odd columns;
-    tiles (each 128-column chunk's 64 bytes in `pair_nibbles`' order): read off pair_nibbles."""
-    cols = np.arange(width, dtype=np.int32)
-    if not tiled:
-        return cols[0::2], cols[1::2]
-    with jax.ensure_compile_time_eval():                         # constants, also when called under jit
-        word = pack_codes(np.arange(8, dtype=np.uint8))          # codes = their column in the word
-        paired = np.asarray(unpack_codes(pair_nibbles(np.asarray(word)))).reshape(-1, 2)  # [byte, low / high]
-    base = cols[::8, None]
-    return tuple((base + paired[:, h]).reshape(-1).astype(np.int32) for h in (0, 1))
+def _bit_moves(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A permutation of a word's bits, bit src[i] -> dst[i], as (mask, left shift) per distance."""
+    shifts = sorted({d - s for s, d in zip(src, dst)})
+    return tuple((sum(1 << s for s, d in zip(src, dst) if d - s == sh), sh) for sh in shifts)
+
+
+_PAIR_ORDER_BITS = tuple(4 * (a + 4 * h) + b for h in (0, 1) for a in range(4) for b in range(4))
+_TILE_WORD_BITS = tuple(TILE_PAIR_BITS[a][b] + 16 * h for h in (0, 1) for a in range(4) for b in range(4))
+_PLACE_MOVES = _bit_moves(_PAIR_ORDER_BITS, _TILE_WORD_BITS)        # 9 (mask, shift) moves a word
+_UNPLACE_MOVES = _bit_moves(_TILE_WORD_BITS, _PAIR_ORDER_BITS)
+
+
+def _place_pair_bits(packed, *, inverse: bool = False):
+    """Codes in pair order (`pair_nibbles`), uint8 [..., n] (n % 4 == 0) -> the same bytes with
+    each little-endian 32-bit word's bits moved to TILE_PAIR_BITS (inverse: back). numpy or jax
+    arrays (the type is kept; jax: a few elementwise integer ops, which XLA fuses)."""
+    *lead, n = packed.shape
+    if n % 4:
+        raise ValueError(f"tile words need whole 32-bit words of codes, got {n} bytes per row")
+    if isinstance(packed, np.ndarray):
+        words, xp = np.ascontiguousarray(packed).view("<u4"), np
+    else:
+        words, xp = jax.lax.bitcast_convert_type(packed.reshape(*lead, n // 4, 4), jnp.uint32), jnp
+    out = xp.zeros_like(words)
+    for mask, shift in _UNPLACE_MOVES if inverse else _PLACE_MOVES:
+        moved = words & np.uint32(mask)
+        out = out | (moved << np.uint32(shift) if shift >= 0 else moved >> np.uint32(-shift))
+    if xp is np:
+        return out.view(np.uint8).reshape(packed.shape)
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
+
+
+def tile_words(packed, *, inverse: bool = False):
+    """weight_packed [..., in/2] in row order -> each 32-bit word in tile-word form (`pair_nibbles`,
+    then each word's bits moved to TILE_PAIR_BITS): the bytes `to_tiles` stores, before it
+    reorders them; inverse: back. numpy or jax arrays (the type is kept)."""
+    if inverse:
+        return pair_nibbles(_place_pair_bits(packed, inverse=True), inverse=True)
+    return _place_pair_bits(pair_nibbles(packed))
+
+
+# Each half of a tile word (its low 16 bits: columns 2a, its high: 2a + 1) holds code a's
+# mantissa, exponent (two adjacent bits) and sign at these bits: one formula for every pair.
+_M_BIT, _E_BIT, _S_BIT = (np.array([bits[b] for bits in TILE_PAIR_BITS], np.uint32) for b in (0, 1, 3))
+assert all(bits[2] == bits[1] + 1 for bits in TILE_PAIR_BITS)
+
+
+def tile_word_values(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Tile words, uint8 [..., n] (n % 4 == 0; any byte order that keeps words whole) -> the
+    E2M1 values (float32, unscaled) of their even and of their odd columns, [..., n] each, in
+    column order (word k's code a is column 8k + 2a, + 1). Each value from its half-word's fields
+    by one elementwise formula (per-pair shifts broadcast), which XLA fuses into the
+    dequantisation and the matmul that consumes it (codes assembled first, as 4-bit values
+    or 32-bit words, made XLA write them out: H100, session 40)."""
+    *lead, n = packed.shape
+    if n % 4:
+        raise ValueError(f"tile words need whole 32-bit words of codes, got {n} bytes per row")
+    b = packed.reshape(*lead, n // 4, 2, 2).astype(jnp.uint32)         # [..., word, half h, byte]
+    halves = []
+    for h in (0, 1):
+        half = (b[..., h, 0] | (b[..., h, 1] << 8))[..., None]          # [..., word, 1]
+        values = e2m1_values((half >> _E_BIT) & 3, (half >> _M_BIT) & 1, ((half >> _S_BIT) & 1) == 1)
+        halves.append(values.reshape(*lead, n))                          # [..., word, a] -> columns 8k + 2a + h
+    return tuple(halves)
 
 
 def to_tiles(a, *, scales: bool = False):
     """weight_packed [..., out, in/2] (scales: weight_scale [..., out, in/32]) in row order -> the
-    same array in tile order, codes in pair order (module doc). numpy or jax arrays; ValueError
+    same array in tile order, codes as tile words (module doc). numpy or jax arrays; ValueError
     unless the shape tiles."""
     if scales:
         return _tile_order(a, TILE_COLS // GROUP, inverse=False)
-    return _tile_order(pair_nibbles(a), TILE_COLS // 2, inverse=False)
+    return _tile_order(tile_words(a), TILE_COLS // 2, inverse=False)
 
 
 def from_tiles(a, *, scales: bool = False):
     """The inverse of `to_tiles`: a tile-ordered weight_packed (scales: weight_scale) -> row order."""
     if scales:
         return _tile_order(a, TILE_COLS // GROUP, inverse=True)
-    return pair_nibbles(_tile_order(a, TILE_COLS // 2, inverse=True), inverse=True)
+    return tile_words(_tile_order(a, TILE_COLS // 2, inverse=True), inverse=True)
+
+
+# The GPU kernels' word decode (Pallas and CuTe moe_experts), as data: one 32-bit word of codes
+# "w" and its group's factor "s" (bf16 2^(scale - 1) in both halves) -> "p0".."p3", p_a = a
+# bf16 pair, E2M1 x 2^-126 placed at PAIR_BITS, then one exact fma by s (DECODE_FACTOR_BIAS).
+# Ops on .b32 values; ints are immediates. `decode_word_ptx` emits a program, tests interpret it.
+def _nibble_pair(src: str, a: int, out: str) -> tuple:
+    """Nibbles a and a + 4 of src (a in 0, 1) -> out: and isolates the two codes, one multiply =
+    two shifts summed (signs to bits 15 / 31, magnitudes to 8..6 / 24..22: no overlap, no carry)."""
+    n, b = (f"{v}{out}" for v in "nb")
+    return (("and", n, src, 0x000F000F << 4 * a), ("mul", b, n, (1 << 12 - 4 * a) + (1 << 6 - 4 * a)),
+            ("and", b, b, PAIR_BITS), ("fma", out, b, "s"))
+
+
+def _tile_pair(a: int, out: str) -> tuple:
+    """Pair a of a tile word -> out. Pairs 0..2 sit 0, 3, 6 bits below PAIR_BITS: (shl), and, fma.
+    Pair 3's bits, shifted down 8, are m at 6, e1 e0 at 3, 2 and the sign at 5: one multiply by
+    1 + 2^5 + 2^10 adds copies 0, 5 and 10 bits up, none overlapping, and PAIR_BITS keeps m + 0,
+    e1 e0 + 5, sign + 10."""
+    t, b = (f"{v}{out}" for v in "tb")
+    if a < 3:
+        shift = 15 - TILE_PAIR_BITS[a][3]                 # the low half's sign bit
+        placed = (("shl", t, "w", shift),) if shift else ()
+        return (*placed, ("and", b, t if shift else "w", PAIR_BITS), ("fma", out, b, "s"))
+    low = sum(1 << (bit - 8 + h) for bit in TILE_PAIR_BITS[3] for h in (0, 16))
+    return (("shr", t, "w", 8), ("and", t, t, low), ("mul", t, t, 1 + (1 << 5) + (1 << 10)),
+            ("and", b, t, PAIR_BITS), ("fma", out, b, "s"))
+
+
+DECODE_PROGRAMS: dict[str, tuple] = {
+    # row order: p_a = nibbles (a, a + 4), codes 2, 3, 6, 7 from the word shifted by 8; 17 instructions
+    "rows": (("shr", "w8", "w", 8), *_nibble_pair("w", 0, "p0"), *_nibble_pair("w", 1, "p1"),
+             *_nibble_pair("w8", 0, "p2"), *_nibble_pair("w8", 1, "p3")),
+    # tile words (TILE_PAIR_BITS): p_a = columns (2a, 2a + 1); 13 instructions
+    "tiles": tuple(op for a in range(4) for op in _tile_pair(a, f"p{a}")),
+}
+_PTX_OPS = {"and": "and.b32", "shr": "shr.u32", "shl": "shl.b32", "mul": "mul.lo.u32", "fma": "fma.rn.bf16x2"}
+
+
+def decode_word_ptx(tiled: bool) -> str:
+    """DECODE_PROGRAMS["tiles" if tiled else "rows"] as inline PTX: outputs $0..$3 = p0..p3,
+    inputs $4 = w, $5 = s (the fma's addend -0 keeps signed zeros)."""
+    program = DECODE_PROGRAMS["tiles" if tiled else "rows"]
+    names = {"w": "$4", "s": "$5", "p0": "$0", "p1": "$1", "p2": "$2", "p3": "$3"}
+    regs = sorted({op[1] for op in program} - set(names))
+    arg = lambda a: f"0x{a:08X}" if isinstance(a, int) else names.get(a, f"d_{a}")      # noqa: E731
+    lines = ["{", f".reg .b32 {', '.join(map(arg, regs))}, d_nz;", f"mov.b32 d_nz, 0x{NEG_ZERO2:08X};"]
+    for op, dst, *src in program:
+        lines.append(f"{_PTX_OPS[op]} {', '.join(arg(a) for a in (dst, *src))}" + (", d_nz;" if op == "fma" else ";"))
+    return "\n\t".join(lines + ["}"])
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -404,24 +404,26 @@ class ExpertWeights:
         return tuple(mxfp4.dequantize(w, s, dtype) for w, s in pairs)
 
     def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as the input
-        columns its bytes' low and high nibbles hold (mxfp4.nibble_columns), ((w1_lo, w1_hi),
-        (w3_lo, w3_hi), (w2_lo, w2_hi)), each [U, out, in/2]: nothing interleaves; tiles are
-        dequantised in place and written out in row order (one fused pass, no untiling of bytes)."""
+        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as its even and its
+        odd input columns, ((w1_even, w1_odd), (w3_even, w3_odd), (w2_even, w2_odd)), each
+        [U, out, in/2]: nothing interleaves (mxfp4.dequantize_halves); tiles are dequantised in
+        place (their tile words' codes: mxfp4.tile_word_codes) and written out in row order (one
+        fused pass, no untiling of bytes)."""
         def halves(w, s):
             if not self.tiled:
                 return mxfp4.dequantize_halves(w, s, dtype)
-            tiles = mxfp4.dequantize_halves(mxfp4.tile_view(w), mxfp4.tile_view(s, scales=True), dtype)
+            tiles = mxfp4.dequantize_halves(mxfp4.tile_view(w), mxfp4.tile_view(s, scales=True), dtype, tile_words=True)
             return tuple(h.swapaxes(-3, -2).reshape(w.shape) for h in tiles)  # [U, T, C, r, b] -> [U, T, r, C, b]
 
         return tuple(halves(w, s) for w, s in self._gathered(ids))
 
-    def halves_matmul(self, x: jax.Array, halves: tuple[jax.Array, jax.Array]) -> jax.Array:
+    @staticmethod
+    def halves_matmul(x: jax.Array, halves: tuple[jax.Array, jax.Array]) -> jax.Array:
         """x [N, in] (every expert's input) or [U, N, in] (one per expert) times one matrix of the
         gathered experts, as `gather_halves` returns it: -> [U, N, out] float32."""
         spec = "uni,uoi->uno" if x.ndim == 3 else "ni,uoi->uno"
-        return sum(jnp.einsum(spec, x[..., cols], w, preferred_element_type=f32, precision=EXACT)
-                   for cols, w in zip(mxfp4.nibble_columns(x.shape[-1], self.tiled), halves))
+        return sum(jnp.einsum(spec, x[..., h::2], w, preferred_element_type=f32, precision=EXACT)
+                   for h, w in enumerate(halves))
 
 
 DENSE_DISPATCH_MAX_TOKENS = 64  # tokens per moe_experts chunk: each distinct expert runs on all of them

@@ -28,8 +28,10 @@ isolates the two nibbles, one integer multiply by 2^(12-4a) + 2^(6-4a) moves the
 magnitudes into place at once (the two shifted copies do not overlap, so the sum is their or),
 one `and` keeps the bf16 bits, and one `fma.rn.bf16x2` multiplies by the group's power-of-two
 factor 2^(scale - 1), which folds in the 2^126: 17 instructions per word, and every wgmma
-product equals the reference's. Exact for scale codes in EXACT_SCALES = [2, 128] (groups up to
-12 in magnitude; random and real MXFP4 weights sit near 2^-7; k3jax.mxfp4; until session 21 the
+product equals the reference's. Experts in tiles store each code's bits already placed
+(mxfp4.TILE_PAIR_BITS): per pair `and` and `fma`, pairs 1 and 2 a shift before, pair 3 a shift
+and a multiply: 13 instructions per word (session 40). Exact for scale codes in EXACT_SCALES =
+[2, 128] (groups up to 12 in magnitude; random and real MXFP4 weights sit near 2^-7; k3jax.mxfp4; until session 21 the
 factor was 2^(scale - 65) with the activations times 2^64: codes 59..192, one XLA multiply). The
 bf16 pairs go straight into the register operand (A) of wgmma: no staging through shared
 memory. Each thread decodes the 16-byte groups its WGMMA register layout owns, which orders the
@@ -37,11 +39,12 @@ contraction dimension differently from memory: within every 128 input columns, c
 32q + 8k + a + 4n of the weights lands at position 32k + 8a + 2q + n (q: thread's column quad,
 k: word, a: pair, n: which code of the pair). The activations (z, and h for the down kernel) are
 permuted the same way by XLA before the kernels (`permute_k`, a reshape/transpose of a few KB),
-which leaves the matrix product unchanged (experts in tiles, codes in mxfp4.pair_nibbles' order:
-column 32q + 8k + 2a + n lands there, `permute_k(tiled=True)`). In interpret mode (CPU) the interpreter cannot run
-inline PTX or register-A wgmma, so the same permuted tiles are produced with mxfp4.dequantize
-and staged through SMEM. DECODE_PROGRAM is data: `decode_word_ptx` emits it, and
-the tests run a numpy model of it (with the register placement of `_decode_quad`) against
+which leaves the matrix product unchanged (experts in tiles, whose word pairs a are columns 2a,
+2a + 1: column 32q + 8k + 2a + n lands there, `permute_k(tiled=True)`). In interpret mode (CPU)
+the interpreter cannot run inline PTX or register-A wgmma, so the same permuted tiles are
+produced with mxfp4.dequantize and staged through SMEM. The decode programs are data
+(mxfp4.DECODE_PROGRAMS, shared with the CuTe kernels): `mxfp4.decode_word_ptx` emits them, and
+the tests run a numpy model of them (with the register placement of `_decode_quad`) against
 mxfp4.dequantize + permute_k, bit for bit, for every code in every position at the scale codes in
 use and both ends of EXACT_SCALES (and show its top is tight), in row order and in tiles.
 Stages (`OCCUPANCY`): as many as keep three programs resident per SM (136 registers), so one
@@ -69,7 +72,7 @@ MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; the K3
 session 23) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
 (`_operands`): a step's TMA brings 4 whole chunks (16 KB contiguous, against 64 rows of 256 B
 1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad;
-their codes' pair order changes only the activations' permutation (`permute_k(tiled=True)`).
+their tile words change only the decode program and the activations' permutation (`permute_k(tiled=True)`).
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -239,7 +242,7 @@ def _operands(experts: ops.ExpertWeights) -> tuple[tuple[jax.Array, ...], ...]:
 def permute_k(x: jax.Array, tiled: bool = False) -> jax.Array:
     """x [..., D] (D a multiple of 128) -> its columns in the kernels' contraction order: within
     each 128 columns, column 32q + 8k + a + 4n moves to 32k + 8a + 2q + n (see module doc); tiled
-    (codes in mxfp4.pair_nibbles' order): column 32q + 8k + 2a + n does."""
+    (tile words: pair a of a word is columns 2a, 2a + 1): column 32q + 8k + 2a + n does."""
     *lead, d = x.shape
     nl = len(lead)
     if tiled:
@@ -257,45 +260,9 @@ def _k_tiles(x: jax.Array, tiled: bool) -> jax.Array:
 
 
 # ------------------------------------------------------------------ the word decode (PTX)
-# The one-fma decode and its exact range: k3jax.mxfp4.DECODE_* (shared with the CuTe kernels).
+# The one-fma decode, its programs and its exact range: k3jax.mxfp4 (shared with the CuTe kernels).
 SCALE_BIAS = mxfp4.DECODE_FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES
-
-
-def _pair(src: str, a: int, out: str) -> tuple:
-    """Nibbles a and a + 4 of src (a in 0, 1) -> out: their E2M1 values times the factor, bf16x2."""
-    n, b = (f"{v}{out}" for v in "nb")
-    return (("and", n, src, 0x000F000F << 4 * a),       # the two codes alone
-            # One multiply = two shifts summed: the magnitudes (e1 e0 m) to bits 8..6 / 24..22 and
-            # the signs to bits 15 / 31. The shifted copies do not overlap, so no carries.
-            ("mul", b, n, (1 << 12 - 4 * a) + (1 << 6 - 4 * a)),
-            ("and", b, b, 0x81C081C0),                  # bf16 bits of E2M1 * 2^-126 (subnormal if e = 0)
-            ("fma", out, b, "s"))                       # exact: E2M1 * 2^(scale - 127)
-
-
-# One packed word "w" (codes c0..c7, c_i in bits 4i..4i+3) and the group's factor "s" (bf16
-# 2^(scale - 1) in both halves) -> "p0".."p3": p_a = (c_a, c_{a+4}) as a bf16 pair. The
-# sign and the magnitude bits of a code move by different shifts (12 and 6 bits): a code's nibble
-# is isolated, then one integer multiply (IMAD) applies both shifts at once: 4 instructions per
-# pair, 17 per word (the kernel is issue-bound: each instruction saved shows; module doc).
-# Ops on .b32 values; ints are immediates. `decode_word_ptx` emits it, tests interpret it.
-DECODE_PROGRAM: tuple = (
-    ("shr", "w8", "w", 8),                              # codes 2, 3, 6, 7 to the places of 0, 1, 4, 5
-    *_pair("w", 0, "p0"), *_pair("w", 1, "p1"), *_pair("w8", 0, "p2"), *_pair("w8", 1, "p3"),
-)
-NEG_ZERO2 = 0x80008000     # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
-
-
-def decode_word_ptx() -> str:
-    """DECODE_PROGRAM as PTX: outputs $0..$3 = p0..p3, inputs $4 = w, $5 = s."""
-    names = {"w": "$4", "s": "$5", "p0": "$0", "p1": "$1", "p2": "$2", "p3": "$3"}
-    regs = sorted({op[1] for op in DECODE_PROGRAM} - set(names))
-    arg = lambda a: f"0x{a:08X}" if isinstance(a, int) else names.get(a, f"d_{a}")
-    lines = ["{", f".reg .b32 {', '.join(map(arg, regs))}, d_nz;", f"mov.b32 d_nz, 0x{NEG_ZERO2:08X};"]
-    for op, dst, *src in DECODE_PROGRAM:
-        args = ", ".join(arg(a) for a in (dst, *src))
-        lines.append({"and": "and.b32", "shr": "shr.u32", "mul": "mul.lo.u32", "fma": "fma.rn.bf16x2"}[op] + f" {args}" + (", d_nz;" if op == "fma" else ";"))
-    return "\n\t".join(lines + ["}"])
 
 
 def quad_addressing(w_strides: tuple[int, ...], s_strides: tuple[int, ...], quad: int) -> dict[str, int]:
@@ -325,16 +292,17 @@ def _lane(vec, j: int):
 
 def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
     """Inside an inline_mgpu body: the thread's decoded code pairs of quad `quad` of a step,
-    pairs[r][k][a] (i32 = bf16x2: codes a, a + 4 of word k of its 16-byte group, in row
-    16 warp + lane // 4 + 8 r). Refs and layout as `_decode_quad`."""
+    pairs[r][k][a] (i32 = bf16x2: pair a of word k of its 16-byte group - row order: nibbles a,
+    a + 4; tiles: columns 2a, 2a + 1 - in row 16 warp + lane // 4 + 8 r). Refs and layout as `_decode_quad`."""
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
     c = lambda v: mgpu_utils.c(v, i32)
-    at = quad_addressing(*(tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref)), quad)
+    w_strides, s_strides = (tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref))
+    at = quad_addressing(w_strides, s_strides, quad)
     q, row0 = _thread_rows()
     group = arith.addi(q, c(at["group0"]))       # the 16-byte group in the row
     w_ptr, s_ptr = mgpu_utils.memref_ptr(w_ref), mgpu_utils.memref_ptr(s_ref)
     words_ty = ir.VectorType.get((4,), i32)
-    ptx = decode_word_ptx()
+    ptx = mxfp4.decode_word_ptx(tiled=len(w_strides) == 3)       # experts in tiles: tile words
     pairs = []
     for r in range(2):
         row = arith.addi(row0, c(8 * r))
@@ -342,7 +310,7 @@ def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
         words = llvm.load(words_ty, mgpu_utils.getelementptr(w_ptr, [w_off], i8), alignment=16)
         s_off = arith.addi(arith.muli(row, c(at["scale_row"])), arith.addi(group, c(at["scale_base"])))
         code = arith.extui(i32, llvm.load(i8, mgpu_utils.getelementptr(s_ptr, [s_off], i8)))
-        # bf16 bits of 2^(code - 1) in both halves (DECODE_PROGRAM's factor)
+        # bf16 bits of 2^(code - 1) in both halves (the decode programs' factor)
         scale = arith.muli(arith.addi(code, c(SCALE_BIAS)), c(0x00800080))
         pairs.append([list(mgpu_utils.inline_ptx(ptx, _lane(words, k), scale, result_types=[i32] * 4))
                       for k in range(4)])
@@ -385,7 +353,7 @@ def _mma_sync_step(accs, mats, x_s):
     tiles; x_s [Np, cols] bf16, the step's activations in column order, tiled (8, 64) and swizzled
     (TILED). Returns accs + W_step @ x_step.
 
-    Codes in tiles are paired (mxfp4.pair_nibbles): word k of the thread's 16-byte group (columns
+    Codes in tiles are tile words (pair a = columns 2a, 2a + 1): word k of the thread's 16-byte group (columns
     32q..32q+31 of a quad) decodes to columns 8k + 2a, +1, so its activations are the 16 bytes
     8k.. of the same columns: chunk k of the thread's 64 bytes, in K-tile 2 quad + q // 2 of the
     row, chunk 4 (q % 2) + k, which the 128-byte swizzle stores at chunk (4 (q % 2) + k) ^ (row % 8).

@@ -419,10 +419,13 @@ def test_tiled_expert_layout_loads_saves_and_restores(tmp_path):
     meta_path = os.path.join(orb, "k3jax.json")
     meta = json.load(open(meta_path))
     assert meta["expert_tile_version"] == mxfp4.TILE_VERSION
-    del meta["expert_tile_version"]             # as written before tiles held their codes in pair order
-    json.dump(meta, open(meta_path, "w"))
-    with pytest.raises(ckpt.CheckpointError, match="stored in tile image version 1; this k3jax reads version 2"):
-        ckpt.restore_orbax(orb)
+    for older in (2, None):                     # before tile words placed their bits; before pair order (no key)
+        meta.pop("expert_tile_version", None)
+        if older:
+            meta["expert_tile_version"] = older
+        json.dump(meta, open(meta_path, "w"))
+        with pytest.raises(ckpt.CheckpointError, match=f"stored in tile image version {older or 1}; this k3jax reads version 3"):
+            ckpt.restore_orbax(orb)
     # a model in rows records them; an older checkpoint without the key restores as rows too
     orb_rows = ckpt.save_orbax(rows, str(tmp_path / "orb_rows"), hf)
     meta_path = os.path.join(orb_rows, "k3jax.json")

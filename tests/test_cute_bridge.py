@@ -239,7 +239,7 @@ def _run_decode_ptx(ptx: str, regs: dict) -> dict:
             regs[dst] = f[..., 0] | (f[..., 1] << 16)
         else:
             regs[dst] = {"mov.b32": lambda: val[0] + np.zeros_like(regs["$4"]), "shr.u32": lambda: val[0] >> val[1],
-                         "and.b32": lambda: val[0] & val[1],
+                         "shl.b32": lambda: val[0] << val[1], "and.b32": lambda: val[0] & val[1],
                          "mul.lo.u32": lambda: (val[0].astype(np.uint64) * val[1]).astype(np.uint32)}[op]()
     return regs
 
@@ -267,7 +267,7 @@ def _emulated_moe_kernel(name, *args, dims=None):
     x, experts, slots, *rest = args
     weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
     pairs = [(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s) for w, s in zip(rest[::2], rest[1::2])]
-    if name.endswith("_tiles"):     # the stored codes, in row order (their nibbles as stored: paired)
+    if name.endswith("_tiles"):     # the stored codes in row order, paired as the kernels decode tile words
         pairs = [(mxfp4.pair_nibbles(mxfp4.from_tiles(w)), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
     mats = [permute_x(mxfp4.dequantize(w, s, jnp.float32)) for w, s in pairs]
     s_n = dims["S"] if dims else x.shape[0]
@@ -370,7 +370,7 @@ def test_kernels_keep_their_occupancy(library):
 def test_tiled_experts_are_read_into_the_row_order_slot_image():
     """The `_tiles` kernels' addressing (tile_code_offset / tile_scale_offset, what the kernels
     emit) reads from a 64-row tile in mxfp4.to_tiles' order exactly the bytes the row-order kernels
-    stage in a ring slot from the same codes in pair order (mxfp4.pair_nibbles): lane (g, q)'s 16
+    stage in a ring slot from the same codes as tile words (mxfp4.tile_words): lane (g, q)'s 16
     code bytes of row g + 8 i in chunk c, and the chunk's scale image (row r's four groups at
     4 r .. 4 r + 3)."""
     from cute_bridge.kernels import mxfp4_moe as k
@@ -381,7 +381,7 @@ def test_tiled_experts_are_read_into_the_row_order_slot_image():
     scales = rng.integers(0, 256, (64, chunks * 4), np.uint8)
     tiled_codes = np.asarray(mxfp4.to_tiles(codes)).reshape(-1)
     tiled_scales = np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1)
-    paired = mxfp4.pair_nibbles(codes)
+    paired = mxfp4.tile_words(codes)
     for c in range(chunks):
         for lane in range(32):
             g, q = divmod(lane, 4)

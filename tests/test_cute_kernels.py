@@ -176,29 +176,33 @@ def test_per_step_ids_in_one_compiled_loop():
     assert _error("moe_experts", run(cute_ops.moe_experts), run(ops.moe_experts)) <= 5
 
 
-def test_mxfp4_one_fma_decode_exact_range():
-    """The kernels' decode (one fma by 2^(s - 1)) of every code in every word position equals
-    mxfp4.dequantize's bf16 values for every scale byte in EXACT_SCALES and scale byte 0 (both 0),
-    in the pair order the kernels assume (pair a = codes a, a + 4); one byte past either end it
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+def test_mxfp4_one_fma_decode_exact_range(tiled):
+    """The kernels' decode PTX (mxfp4.decode_word_ptx: one fma by 2^(s - 1)) of every code in every
+    word position equals mxfp4.dequantize's bf16 values for every scale byte in EXACT_SCALES and
+    scale byte 0 (both 0; the CuTe kernels zero that factor), pair a being codes a, a + 4 in row
+    order and columns 2a, 2a + 1 of tile words (mxfp4.tile_words); one byte past either end it
     does not (the range is tight). Runs the numpy PTX model of test_cute_bridge."""
-    pytest.importorskip("cutlass", reason="needs the `cute` extra (nvidia-cutlass-dsl)")
     import ml_dtypes
     from test_cute_bridge import _run_decode_ptx
-    from cute_bridge.kernels import mxfp4_moe as mk
-    lo, hi = mk.EXACT_SCALES
+    lo, hi = mxfp4.DECODE_EXACT_SCALES
     scales = np.array([0, lo - 1, *range(lo, hi + 1), hi + 1], np.uint32)
     rng = np.random.default_rng(0)
     words = rng.integers(0, 2**32, (scales.size, 32), dtype=np.uint64).astype(np.uint32)
     words[:, :16] = np.arange(16, dtype=np.uint32) * 0x11111111     # every code everywhere
-    factor = np.where(scales > 0, (scales + mk.FACTOR_BIAS) * 0x00800080, 0).astype(np.uint32)
+    if tiled:
+        words = mxfp4.tile_words(words.view(np.uint8)).view(np.uint32)   # the same codes as tile words
+    factor = np.where(scales > 0, (scales + mxfp4.DECODE_FACTOR_BIAS) * 0x00800080, 0).astype(np.uint32)
     with np.errstate(invalid="ignore"):         # past the top the factor is inf: inf x 0 codes
-        out = _run_decode_ptx(mk.decode_word_ptx(), {"$4": words, "$5": np.broadcast_to(factor[:, None], words.shape)})
+        out = _run_decode_ptx(mxfp4.decode_word_ptx(tiled), {"$4": words, "$5": np.broadcast_to(factor[:, None], words.shape)})
     got = np.stack([out[f"${a}"] for a in range(4)], -1)                     # [scale, word, pair]
     got = np.stack([got & 0xFFFF, got >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
     packed = words.view(np.uint8).reshape(scales.size, 32 * 4)
+    if tiled:
+        packed = mxfp4.tile_words(packed, inverse=True)
     ref = np.asarray(mxfp4.dequantize(jnp.asarray(packed[:, None, :]), jnp.asarray(
         np.repeat(scales[:, None, None], 32 * 8 // 32, -1).astype(np.uint8)), jnp.bfloat16))[:, 0]
-    ref = ref.reshape(scales.size, 32, 2, 4).transpose(0, 1, 3, 2)          # col 4h + a -> [a, h]
+    ref = ref.reshape(scales.size, 32, 4, 2) if tiled else ref.reshape(scales.size, 32, 2, 4).transpose(0, 1, 3, 2)
     exact = np.all(got.astype(np.float64) == ref.astype(np.float64), axis=(1, 2, 3))
     assert exact[0] and exact[2:-1].all(), "decode not exact inside EXACT_SCALES"
     assert not exact[1] and not exact[-1], "EXACT_SCALES is not tight"

@@ -101,12 +101,12 @@ def test_expert_weights_gather_dequantises():
 
 def test_tile_order_layout_and_round_trip():
     """to_tiles puts each 64-row x 128-input tile's 64 code bytes (4 scale bytes) per row together,
-    chunk after chunk, codes in pair order; from_tiles undoes it; numpy and jax arrays alike."""
+    chunk after chunk, codes as tile words; from_tiles undoes it; numpy and jax arrays alike."""
     packed, scale = mxfp4.random_packed(jax.random.key(3), (2, 128, 256))       # [E, out, in/2], [E, out, in/32]
     tp, ts = mxfp4.to_tiles(packed), mxfp4.to_tiles(scale, scales=True)
     assert tp.shape == packed.shape and ts.shape == scale.shape
     flat_p, flat_s = np.asarray(tp).reshape(2, -1), np.asarray(ts).reshape(2, -1)
-    paired = np.asarray(mxfp4.pair_nibbles(packed))
+    paired = np.asarray(mxfp4.tile_words(packed))
     for e, t, c, r in ((0, 0, 0, 0), (1, 1, 1, 63), (1, 0, 1, 5)):          # expert, row tile, chunk, row
         start = ((t * 2 + c) * 64 + r) * 64
         np.testing.assert_array_equal(flat_p[e, start:start + 64], paired[e, 64 * t + r, 64 * c:64 * c + 64])
@@ -129,6 +129,25 @@ def test_pair_nibbles_pairs_consecutive_columns():
     assert isinstance(mxfp4.pair_nibbles(np.asarray(packed)), np.ndarray) and isinstance(paired, jax.Array)
     with pytest.raises(ValueError, match="whole 32-bit words"):
         mxfp4.pair_nibbles(np.zeros((4, 6), np.uint8))
+
+
+def test_tile_words_place_each_code_bit_where_the_decode_reads_it():
+    """tile_words: bit b of column 2a + h's code lands at TILE_PAIR_BITS[a][b] + 16 h of its word
+    (all 32 bits used once); inverse undoes it; numpy and jax agree; a partial word is refused."""
+    assert sorted(b + 16 * h for pair in mxfp4.TILE_PAIR_BITS for b in pair for h in (0, 1)) == list(range(32))
+    for col in range(8):
+        for bit in range(4):
+            codes = np.zeros(8, np.uint8)
+            codes[col] = 1 << bit
+            word = mxfp4.tile_words(np.asarray(mxfp4.pack_codes(codes))).view("<u4")[0]
+            assert word == 1 << mxfp4.TILE_PAIR_BITS[col // 2][bit] + 16 * (col % 2), (col, bit, hex(word))
+    packed, _ = mxfp4.random_packed(jax.random.key(8), (3, 16, 64))
+    words = mxfp4.tile_words(packed)
+    assert isinstance(words, jax.Array) and isinstance(mxfp4.tile_words(np.asarray(packed)), np.ndarray)
+    np.testing.assert_array_equal(np.asarray(words), mxfp4.tile_words(np.asarray(packed)))
+    np.testing.assert_array_equal(np.asarray(mxfp4.tile_words(words, inverse=True)), np.asarray(packed))
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        mxfp4.tile_words(np.zeros((4, 8), np.uint8)[:, :6])
 
 
 def test_tiles_need_64_rows_and_128_inputs():
@@ -158,15 +177,15 @@ def test_tiled_expert_weights_gather_the_same_weights():
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
-def test_nibble_columns_follow_the_byte_order():
-    """nibble_columns: the low / high nibbles of the bytes hold these columns, read back through
-    unpack_codes in row order and through pair_nibbles' words in tiles."""
-    lo, hi = mxfp4.nibble_columns(256, tiled=False)
-    np.testing.assert_array_equal(lo, np.arange(0, 256, 2))
-    np.testing.assert_array_equal(hi, np.arange(1, 256, 2))
-    lo, hi = mxfp4.nibble_columns(256, tiled=True)
-    assert sorted(np.concatenate([lo, hi]).tolist()) == list(range(256))
-    codes = np.arange(256) % 16                                  # column j holds code j % 16
-    paired = np.asarray(mxfp4.pair_nibbles(np.asarray(mxfp4.pack_codes(codes[None]))))[0]
-    np.testing.assert_array_equal(paired & 0x0F, codes[lo])
-    np.testing.assert_array_equal(paired >> 4, codes[hi])
+def test_tile_words_dequantise_to_the_even_and_odd_columns():
+    """dequantize_halves(tile_words=True) (tile_word_values: what the reference's gather_halves
+    reads) of tile words = the even and the odd columns, as from the row-order bytes; under jit too."""
+    packed, scale = mxfp4.random_packed(jax.random.key(9), (3, 512))
+    words = mxfp4.tile_words(packed)
+    want = mxfp4.dequantize_halves(packed, scale, jnp.float32)
+    halves = jax.jit(lambda w, s: mxfp4.dequantize_halves(w, s, jnp.float32, tile_words=True))
+    for got in (mxfp4.dequantize_halves(words, scale, jnp.float32, tile_words=True), halves(words, scale)):
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        mxfp4.tile_word_values(jnp.zeros((2, 6), jnp.uint8))

@@ -35,20 +35,22 @@ def _fma_bf16x2(x, s):
     return halves[0] | halves[1]
 
 
-def _run_program(word, scale):
-    """me.DECODE_PROGRAM interpreted on uint64-held 32-bit values -> p0..p3."""
+def _run_program(word, scale, tiled: bool):
+    """mxfp4.DECODE_PROGRAMS (tiled: "tiles", else "rows") interpreted on uint64-held 32-bit
+    values -> p0..p3."""
     env = {"w": word.astype(np.uint64), "s": scale.astype(np.uint64)}
     val = lambda a: np.uint64(a) if isinstance(a, int) else env[a]
-    for op, dst, *src in me.DECODE_PROGRAM:
+    for op, dst, *src in mxfp4.DECODE_PROGRAMS["tiles" if tiled else "rows"]:
         a = [val(x) for x in src]
-        env[dst] = {"and": lambda: a[0] & a[1], "shr": lambda: a[0] >> a[1], "mul": lambda: a[0] * a[1],
-                    "fma": lambda: _fma_bf16x2(a[0], a[1])}[op]()
+        env[dst] = {"and": lambda: a[0] & a[1], "shr": lambda: a[0] >> a[1], "shl": lambda: a[0] << a[1],
+                    "mul": lambda: a[0] * a[1], "fma": lambda: _fma_bf16x2(a[0], a[1])}[op]()
         env[dst] &= np.uint64(0xFFFFFFFF)
     return [env[f"p{i}"] for i in range(4)]
 
 
-def _compiled_decode_model(packed, scale):
-    """One scale block as the compiled kernel decodes it: packed [64, 256] uint8, scales [64, 16]
+def _compiled_decode_model(packed, scale, tiled: bool):
+    """One scale block as the compiled kernel decodes it: packed [64, 256] uint8 (tiled: tile
+    words, mxfp4.tile_words, in row order), scales [64, 16]
     -> [64, 512] bf16 weights in wgmma K-tile order. The block is SCALE_STEPS pipeline steps; step t gets
     the codes [:, t * MX_STEP/2 ...] and the scales [:, t * MX_STEP/32 ...] (me._dequant_mma), decoded
     through the thread -> (row, group, register) map of me._decode_quad (WGMMA layout: register
@@ -64,7 +66,7 @@ def _compiled_decode_model(packed, scale):
                 group = 4 * quad + q
                 sc = (step_scale[:, group].astype(np.uint64) + np.uint64(me.SCALE_BIAS)) * np.uint64(0x00800080)
                 for k in range(4):
-                    pairs = _run_program(words[:, 4 * group + k], sc)
+                    pairs = _run_program(words[:, 4 * group + k], sc, tiled)
                     for a, p in enumerate(pairs):
                         col = t * me.MX_STEP + 64 * (2 * quad + k // 2) + 8 * (4 * (k % 2) + a) + 2 * q
                         out[rows, col] = p & 0xFFFF
@@ -75,13 +77,13 @@ def _compiled_decode_model(packed, scale):
 def _decode_mismatches(scale_code: int, tiled: bool = False) -> int:
     """Elements where the compiled-decode model differs from permute_k(mxfp4.dequantize) (as
     numbers; zeros by sign bit too), over every code in every byte position at one scale code.
-    tiled: the decode reads the codes in mxfp4.pair_nibbles' order (experts in tiles; that the
+    tiled: the decode reads the codes as tile words (mxfp4.tile_words: experts in tiles; that the
     tile image puts those bytes where the row image has them: the next test)."""
     codes = np.arange(256, dtype=np.uint8)
     packed = np.stack([np.roll(codes, 7 * r) for r in range(64)])                 # [64, 256]
     scale = np.full((64, 16), scale_code, np.uint8)
     with np.errstate(invalid="ignore", over="ignore"):
-        got = _compiled_decode_model(mxfp4.pair_nibbles(packed) if tiled else packed, scale).astype(np.float64)
+        got = _compiled_decode_model(mxfp4.tile_words(packed) if tiled else packed, scale, tiled).astype(np.float64)
     want = np.asarray(me.permute_k(mxfp4.dequantize(jnp.asarray(packed), jnp.asarray(scale)), tiled)).astype(np.float64)
     return int(((got != want) | (np.signbit(got) != np.signbit(want))).sum())
 
@@ -90,7 +92,7 @@ def _decode_mismatches(scale_code: int, tiled: bool = False) -> int:
 def test_compiled_decode_model_is_exact(tiled):
     """Every code in every byte position, the scale codes the tests and K3 use and both ends of
     EXACT_SCALES: the PTX program + register placement equals mxfp4.dequantize followed by
-    permute_k, bit for bit (signed zeros included), for codes in row order and in pair order."""
+    permute_k, bit for bit (signed zeros included), for codes in row order and as tile words."""
     lo, hi = me.EXACT_SCALES
     for code in [*range(100, hi + 1), lo, lo + 1, 64]:
         assert _decode_mismatches(code, tiled) == 0, code
@@ -99,12 +101,13 @@ def test_compiled_decode_model_is_exact(tiled):
 def test_tiled_step_is_decoded_from_the_same_bytes():
     """The compiled decode's SMEM addressing (me.quad_addressing, the offsets _decode_quad emits)
     reads, from a step's image in tile order ([4 chunks, 64 rows, 64 B], scales [4, 256]), the
-    bytes it reads from the row-order image ([64, 256], [64, 16]) of the same codes in pair order
-    (mxfp4.pair_nibbles) for every row, quad and group."""
+    bytes it reads from the row-order image ([64, 256], [64, 16]) of the same codes as tile words
+    (mxfp4.tile_words) for every row, quad and group."""
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 256, (64, me.MX_STEP // 2), np.uint8)
     scales = rng.integers(0, 256, (64, me.MX_STEP // 32), np.uint8)
-    images = {"rows": (mxfp4.pair_nibbles(codes).reshape(-1), scales.reshape(-1), (256, 1), (16, 1)),
+    words = mxfp4.tile_words(codes)
+    images = {"rows": (words.reshape(-1), scales.reshape(-1), (256, 1), (16, 1)),
               "tiles": (np.asarray(mxfp4.to_tiles(codes)).reshape(-1),
                         np.asarray(mxfp4.to_tiles(scales, scales=True)).reshape(-1), (4096, 64, 1), (256, 1))}
     for quad in range(me.QUADS):
@@ -115,7 +118,7 @@ def test_tiled_step_is_decoded_from_the_same_bytes():
                            sc[at["scale_base"] + r * at["scale_row"] + at["group0"] + q])
                           for r in range(64) for q in range(4)]
         assert read["rows"] == read["tiles"]
-        assert read["rows"][5 * 4 + 2] == (mxfp4.pair_nibbles(codes)[5, (4 * quad + 2) * 16:][:16].tobytes(),
+        assert read["rows"][5 * 4 + 2] == (words[5, (4 * quad + 2) * 16:][:16].tobytes(),
                                            scales[5, 4 * quad + 2])
 
 

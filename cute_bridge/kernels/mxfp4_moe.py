@@ -38,9 +38,10 @@ kernels 84.7 vs 87-90 us at batch 1, the XLA split of the activations +7 us of g
 batch 8 in 504 us (90%), against 93.5 / 529: DRAM locality. The `_tiles` entries read experts
 stored that way (k3jax.mxfp4.to_tiles, K3Config.expert_layout "tiles", the default for K3 since
 session 23; session 22 on the H200: batch 1 85.2 us = 76.7%, batch 8 507.8 us = 89.2%, GPU tests pass):
-only the two global addresses differ (`_issue`, `_expert_tile`), and their codes sit in pair
-order (k3jax.mxfp4.pair_nibbles: nibbles a, a + 4 of a word are columns 2a, 2a + 1), so the
-activations come in column order: the same kernel code, no XLA permutation of z.
+only the two global addresses and the word decode differ (`_issue`, `_expert_tile`, `_decode_word`):
+their codes are tile words (k3jax.mxfp4.tile_words: pair a of a word is columns 2a, 2a + 1, its
+bits already where the decode places them: 13 instructions a word instead of 17, session 40), so
+the activations come in column order: no XLA permutation of z.
 
 Both are the GEMV of kernels/gemv.py with a decode in front: a 128-thread block owns 16 R output
 rows of expert experts[u] (grid row u; R = 1 for the plain entries, 4 for the `_rows64` ones),
@@ -78,9 +79,10 @@ and magnitude copies (they do not overlap, so the product is the or of two shift
 group's factor 2^(s - 1) gives the weight, so every MMA product equals the reference's. Exact for
 scale bytes EXACT_SCALES = [2, 128] (groups up to 12 in magnitude; random and real MXFP4 weights
 sit near 2^-7), as the Pallas kernel (pallas_kernels/moe_experts.py); scale byte 0 gives 0, as the
-reference. Until session 21 the factor was 2^(s - 65) and the activations entered times 2^64
+reference. The programs (row order and tile words) are k3jax.mxfp4.DECODE_PROGRAMS, shared with the
+Pallas kernels. Until session 21 the factor was 2^(s - 65) and the activations entered times 2^64
 (bytes 59..192, and an XLA multiply of z). Versus
-the exact-everywhere two-fma decode (by 2^126, then by 2^(s-127): `decode_word_ptx(False)`),
+the exact-everywhere two-fma decode (by 2^126, then by 2^(s-127)),
 3% faster at batch 1 and 4% at batch 8 (session 7). In gate_up's 16-row blocks, words alternate
 between two C fragments (two independent MMA chains, summed at the end); more row tiles are
 independent chains already.
@@ -108,8 +110,6 @@ from cute_bridge.kernels.gemv import LANES, TILE, WARPS, mma_bf16_16816
 
 GROUP = 32              # values per UE8M0 scale: 16 bytes of codes
 CHUNK_GROUPS = 4        # groups per chunk, one per lane q
-PAIR_BITS = 0x81C081C0  # sign and magnitude bits of two bf16 codes
-NEG_ZERO2 = 0x80008000  # fma addend: x * s + (-0) = x * s exactly, signed zeros kept
 FACTOR_BIAS = mxfp4.DECODE_FACTOR_BIAS    # bf16 exponent field of the factor = scale byte + FACTOR_BIAS
 EXACT_SCALES = mxfp4.DECODE_EXACT_SCALES  # the one-fma decode's exact range (k3jax.mxfp4)
 STAGES = 2              # chunks per warp in flight ahead of the decode
@@ -138,24 +138,12 @@ def tile_scale_offset(lane, c=0):
 GATE_UP_ACCS, DOWN_ACCS = 2, 1
 
 
-def decode_word_ptx() -> str:
-    """PTX: $0..$3 = the scaled bf16 pairs (codes a, a + 4), a = 0..3, of word $4 (codes c0..c7
-    in nibbles 0..7), $5 = bf16x2 factor 2^(s - 1) (0 for s = 0); per pair and, mul, and
-    (the bit placement) and one fma."""
-    lines = ["{", ".reg .b32 t, n, nz;", f"mov.b32 nz, 0x{NEG_ZERO2:08X};", "shr.u32 t, $4, 8;"]
-    for out, (src, a) in enumerate((("$4", 0), ("$4", 1), ("t", 0), ("t", 1))):
-        lines += [f"and.b32 n, {src}, 0x{0x000F000F << 4 * a:08X};",
-                  f"mul.lo.u32 n, n, 0x{(1 << 12 - 4 * a) + (1 << 6 - 4 * a):X};",
-                  f"and.b32 n, n, 0x{PAIR_BITS:08X};"]
-        lines.append(f"fma.rn.bf16x2 ${out}, n, $5, nz;")
-    return "\n\t".join(lines + ["}"])
-
-
 @dsl_user_op
-def _decode_word(word, factor, *, loc=None, ip=None):
-    """8 codes (Int32) and the group's bf16x2 factor -> 4 Int32 bf16 pairs (see module doc)."""
+def _decode_word(word, factor, tiled: bool, *, loc=None, ip=None):
+    """8 codes (Int32; tiled: a tile word) and the group's bf16x2 factor -> 4 Int32 bf16 pairs
+    (k3jax.mxfp4.decode_word_ptx)."""
     ins = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (word, factor)]
-    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), ins, decode_word_ptx(),
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), ins, mxfp4.decode_word_ptx(tiled),
                           "=r,=r,=r,=r,r,r")
     return [cutlass.Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
@@ -197,18 +185,18 @@ def _issue(slot, c, lane, q, groups, cols, code_rows, xsrc, named, tokens, scale
     return []
 
 
-def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int):
+def _mma_chunk(codes, factors, xs, acc: cute.Tensor, accs: int, tiled: bool):
     """acc += the chunk's 16-row tiles x 4 groups: row tile t = rows g + 16 t, g + 16 t + 8 (codes
-    [2t], [2t + 1]); 2 MMAs per word, each reading the shared activations xs; tile t's words
-    alternate between its accs C fragments acc[4 (t accs + a):][:4]."""
+    [2t], [2t + 1]; tiled: tile words); 2 MMAs per word, each reading the shared activations xs;
+    tile t's words alternate between its accs C fragments acc[4 (t accs + a):][:4]."""
     tiles = len(codes) // 2
     d = [[[acc[4 * (t * accs + a) + i] for i in range(4)] for a in range(accs)] for t in range(tiles)]
     for k in range(4):
         xw = xs[k]
         a = k % accs
         for t in range(tiles):
-            top = _decode_word(codes[2 * t][k], factors[2 * t])              # row g + 16 t
-            bot = _decode_word(codes[2 * t + 1][k], factors[2 * t + 1])      # row g + 16 t + 8
+            top = _decode_word(codes[2 * t][k], factors[2 * t], tiled)              # row g + 16 t
+            bot = _decode_word(codes[2 * t + 1][k], factors[2 * t + 1], tiled)      # row g + 16 t + 8
             d[t][a] = mma_bf16_16816((top[0], bot[0], top[1], bot[1]), (xw[0], xw[1]), d[t][a])
             d[t][a] = mma_bf16_16816((top[2], bot[2], top[3], bot[3]), (xw[2], xw[3]), d[t][a])
     for t in range(tiles):
@@ -330,7 +318,7 @@ def _expert_tile(wb, sb, rows, groups, x: cute.Tensor, e, row0, xrow, named, acc
                         for h in cutlass.range_constexpr(code_rows):
                             raw[code_rows * u + h] = scales[h]
                 cute.arch.cp_async_commit_group()
-                _mma_chunk(codes, factors, xs, acc, accs)
+                _mma_chunk(codes, factors, xs, acc, accs, tiled)
     if cutlass.const_expr(accs == 2):
         for t in cutlass.range_constexpr(row_tiles):
             for i in cutlass.range_constexpr(4):
