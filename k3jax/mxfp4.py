@@ -172,7 +172,7 @@ def _bit_moves(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, i
 
 _PAIR_ORDER_BITS = tuple(4 * (a + 4 * h) + b for h in (0, 1) for a in range(4) for b in range(4))
 _TILE_WORD_BITS = tuple(TILE_PAIR_BITS[a][b] + 16 * h for h in (0, 1) for a in range(4) for b in range(4))
-_PLACE_MOVES = _bit_moves(_PAIR_ORDER_BITS, _TILE_WORD_BITS)        # 9 (mask, shift) moves a word
+_PLACE_MOVES = _bit_moves(_PAIR_ORDER_BITS, _TILE_WORD_BITS)        # 8 (mask, shift) moves a word
 _UNPLACE_MOVES = _bit_moves(_TILE_WORD_BITS, _PAIR_ORDER_BITS)
 
 

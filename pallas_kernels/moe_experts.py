@@ -65,7 +65,7 @@ and 896 down programs are each resident at once instead of in two waves.
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Time has followed
-the decode's instructions per word (29 -> 21 -> 17); the measurements of each decode, stage
+the decode's instructions per word (29 -> 21 -> 17; tile words 13); the measurements of each decode, stage
 count and layout: docs/pallas.md (`moe_experts`) and BENCHMARKS.md.
 
 MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; the K3 default since
