@@ -80,11 +80,9 @@ def code_values(codes: jax.Array) -> jax.Array:
     return e2m1_values((codes >> 1) & 3, codes & 1, codes >= 8)
 
 
-def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *,
-                      tile_words: bool = False) -> tuple[jax.Array, jax.Array]:
+def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> tuple[jax.Array, jax.Array]:
     """(weight_packed [..., out, in/2], weight_scale [..., out, in/32]) -> the even and the odd
-    input columns of W, each [..., out, in/2] in dtype: the low and high nibbles of each byte or,
-    tile_words, the codes of each word's columns 2a and 2a + 1 (`tile_word_values`).
+    input columns of W, each [..., out, in/2] in dtype (low and high nibbles of each byte).
 
     Pure integer/float elementwise arithmetic on the packed bytes (no table lookup, no
     interleaving), so XLA fuses each half into one pass over the bytes. An E2M1 code (sign s,
@@ -93,8 +91,7 @@ def dequantize_halves(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, *
     """
     _check_packed(packed, scale)
     per_byte = _pow2(jnp.repeat(scale, GROUP // 2, axis=-1))              # one scale per packed byte
-    values = tile_word_values(packed) if tile_words else (code_values(packed & 0x0F), code_values(packed >> 4))
-    return tuple((v * per_byte).astype(dtype) for v in values)
+    return tuple((code_values(c) * per_byte).astype(dtype) for c in (packed & 0x0F, packed >> 4))
 
 
 def _check_packed(packed, scale) -> None:
@@ -121,6 +118,7 @@ TILE_VERSION = 3     # of `to_tiles`' image, recorded with stored tiles; 1: code
 # bits above. Pair 0 sits at PAIR_BITS, pairs 1 and 2 three and six bits below it (the decode
 # shifts them up), pair 3 in the bits left, placed for one shift, mask and multiply (DECODE_PROGRAMS).
 TILE_PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (14, 10, 11, 13))
+assert all(e1 == e0 + 1 for _, e0, e1, _ in TILE_PAIR_BITS)       # the exponent's two bits adjacent
 
 
 def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
@@ -205,29 +203,26 @@ def tile_words(packed, *, inverse: bool = False):
     return _place_pair_bits(pair_nibbles(packed))
 
 
-# Each half of a tile word (its low 16 bits: columns 2a, its high: 2a + 1) holds code a's
-# mantissa, exponent (two adjacent bits) and sign at these bits: one formula for every pair.
-_M_BIT, _E_BIT, _S_BIT = (np.array([bits[b] for bits in TILE_PAIR_BITS], np.uint32) for b in (0, 1, 3))
-assert all(bits[2] == bits[1] + 1 for bits in TILE_PAIR_BITS)
-
-
-def tile_word_values(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Tile words, uint8 [..., n] (n % 4 == 0; any byte order that keeps words whole) -> the
-    E2M1 values (float32, unscaled) of their even and of their odd columns, [..., n] each, in
-    column order (word k's code a is column 8k + 2a, + 1). Each value from its half-word's fields
-    by one elementwise formula (per-pair shifts broadcast), which XLA fuses into the
-    dequantisation and the matmul that consumes it (codes assembled first, as 4-bit values
-    or 32-bit words, made XLA write them out: H100, session 40)."""
+def dequantize_tile_words(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> tuple[jax.Array, ...]:
+    """Tile words (`tile_words`: weight_packed [..., out, in/2], in any byte order that keeps words
+    whole) and their weight_scale [..., out, in/32] -> W's input columns in 8 parts, part j =
+    columns j, j + 8, ... ([..., out, in/8] in dtype): part 2a + h is code a of each word's half h
+    (its low 16 bits: column 8k + 2a; high: + 1). Each part is one elementwise formula with the
+    pair's bit positions as constants (exponent, mantissa and sign read from the half-word), so
+    XLA fuses the expert gather, this and the matmul over the part (H100, session 40: the op at
+    batch 1 464 us, 454 from pair-order nibbles; as two halves with per-pair shifts broadcast 592,
+    with codes assembled first 740-1080: XLA wrote them out)."""
+    _check_packed(packed, scale)
     *lead, n = packed.shape
-    if n % 4:
-        raise ValueError(f"tile words need whole 32-bit words of codes, got {n} bytes per row")
-    b = packed.reshape(*lead, n // 4, 2, 2).astype(jnp.uint32)         # [..., word, half h, byte]
-    halves = []
+    b = packed.reshape(*lead, n // 4, 2, 2).astype(jnp.uint32)          # [..., word, half h, byte]
+    per_word = _pow2(jnp.repeat(scale, GROUP // 8, axis=-1))             # a scale group is 4 words
+    parts = [None] * 8
     for h in (0, 1):
-        half = (b[..., h, 0] | (b[..., h, 1] << 8))[..., None]          # [..., word, 1]
-        values = e2m1_values((half >> _E_BIT) & 3, (half >> _M_BIT) & 1, ((half >> _S_BIT) & 1) == 1)
-        halves.append(values.reshape(*lead, n))                          # [..., word, a] -> columns 8k + 2a + h
-    return tuple(halves)
+        half = b[..., h, 0] | (b[..., h, 1] << 8)
+        for a, (m_bit, e_bit, _, s_bit) in enumerate(TILE_PAIR_BITS):
+            values = e2m1_values((half >> e_bit) & 3, (half >> m_bit) & 1, ((half >> s_bit) & 1) == 1)
+            parts[2 * a + h] = (values * per_word).astype(dtype)
+    return tuple(parts)
 
 
 def to_tiles(a, *, scales: bool = False):

@@ -403,27 +403,27 @@ class ExpertWeights:
             pairs = ((mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs)
         return tuple(mxfp4.dequantize(w, s, dtype) for w, s in pairs)
 
-    def gather_halves(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, jax.Array], ...]:
-        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix as its even and its
-        odd input columns, ((w1_even, w1_odd), (w3_even, w3_odd), (w2_even, w2_odd)), each
-        [U, out, in/2]: nothing interleaves (mxfp4.dequantize_halves); tiles are dequantised in
-        place (their tile words' codes: mxfp4.tile_word_codes) and written out in row order (one
-        fused pass, no untiling of bytes)."""
-        def halves(w, s):
+    def gather_parts(self, ids: jax.Array, dtype) -> tuple[tuple[jax.Array, ...], ...]:
+        """MXFP4 only: the experts `ids` [U] dequantised to `dtype`, each matrix (w1, w3, w2) as P
+        parts, part j = its input columns j, j + P, ... [U, out, in/P]: row order P = 2 (the
+        nibbles: mxfp4.dequantize_halves), tiles P = 8 (mxfp4.dequantize_tile_words, dequantised
+        in place and written out in row order). Nothing interleaves, nothing is untiled: XLA
+        fuses the gather and the dequantisation into `parts_matmul`."""
+        def parts(w, s):
             if not self.tiled:
                 return mxfp4.dequantize_halves(w, s, dtype)
-            tiles = mxfp4.dequantize_halves(mxfp4.tile_view(w), mxfp4.tile_view(s, scales=True), dtype, tile_words=True)
-            return tuple(h.swapaxes(-3, -2).reshape(w.shape) for h in tiles)  # [U, T, C, r, b] -> [U, T, r, C, b]
+            tiles = mxfp4.dequantize_tile_words(mxfp4.tile_view(w), mxfp4.tile_view(s, scales=True), dtype)
+            return tuple(p.swapaxes(-3, -2).reshape(*w.shape[:-1], -1) for p in tiles)  # [U, T, C, r, b] -> [U, T, r, C, b]
 
-        return tuple(halves(w, s) for w, s in self._gathered(ids))
+        return tuple(parts(w, s) for w, s in self._gathered(ids))
 
     @staticmethod
-    def halves_matmul(x: jax.Array, halves: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def parts_matmul(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
         """x [N, in] (every expert's input) or [U, N, in] (one per expert) times one matrix of the
-        gathered experts, as `gather_halves` returns it: -> [U, N, out] float32."""
+        gathered experts, as `gather_parts` returns it: -> [U, N, out] float32."""
         spec = "uni,uoi->uno" if x.ndim == 3 else "ni,uoi->uno"
-        return sum(jnp.einsum(spec, x[..., h::2], w, preferred_element_type=f32, precision=EXACT)
-                   for h, w in enumerate(halves))
+        return sum(jnp.einsum(spec, x[..., j::len(parts)], w, preferred_element_type=f32, precision=EXACT)
+                   for j, w in enumerate(parts))
 
 
 DENSE_DISPATCH_MAX_TOKENS = 64  # tokens per moe_experts chunk: each distinct expert runs on all of them
@@ -558,15 +558,15 @@ def _moe_token_chunk(z, ids, weights, experts: ExpertWeights, *, act: str, beta:
     uniq, coef = expert_dispatch(ids, weights, n_exp, n_chunks * chunk)
 
     def expert_dot(spec, x, w):
-        if experts.is_mxfp4:   # x @ w.T over the low + high nibbles' columns: no interleave, no untiling
-            out = experts.halves_matmul(x, w)
+        if experts.is_mxfp4:   # x @ w.T over the column parts: no interleave, no untiling
+            out = experts.parts_matmul(x, w)
         else:
             out = jnp.einsum(spec, x, w, preferred_element_type=f32, precision=EXACT)
         return out.astype(z.dtype)
 
     def run_chunk(c):
         ids_c = jnp.minimum(jax.lax.dynamic_slice_in_dim(uniq, c * chunk, chunk), n_exp - 1)
-        w1, w3, w2 = (experts.gather_halves if experts.is_mxfp4 else experts.gather)(ids_c, z.dtype)
+        w1, w3, w2 = (experts.gather_parts if experts.is_mxfp4 else experts.gather)(ids_c, z.dtype)
         gate, up = expert_dot("nm,uim->uni", z, w1), expert_dot("nm,uim->uni", z, w3)
         y = expert_dot("uni,umi->unm", glu(gate, up, act, beta, linear_beta), w2)
         return jnp.einsum("un,unm->nm", jax.lax.dynamic_slice_in_dim(coef, c * chunk, chunk), y.astype(f32),

@@ -173,19 +173,20 @@ def test_tiled_expert_weights_gather_the_same_weights():
         for matrix in range(3):
             want = jnp.einsum(spec, x, dense[matrix], precision="highest")
             for w in (rows, tiled):
-                got = w.halves_matmul(x, w.gather_halves(ids, jnp.float32)[matrix])
+                got = w.parts_matmul(x, w.gather_parts(ids, jnp.float32)[matrix])
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
-def test_tile_words_dequantise_to_the_even_and_odd_columns():
-    """dequantize_halves(tile_words=True) (tile_word_values: what the reference's gather_halves
-    reads) of tile words = the even and the odd columns, as from the row-order bytes; under jit too."""
+def test_tile_words_dequantise_to_eight_column_parts():
+    """dequantize_tile_words (what the reference's gather_parts reads from tiles) of tile words =
+    the dequantised matrix's columns j::8, part j = 2a + h; under jit too; bad shapes are named."""
     packed, scale = mxfp4.random_packed(jax.random.key(9), (3, 512))
     words = mxfp4.tile_words(packed)
-    want = mxfp4.dequantize_halves(packed, scale, jnp.float32)
-    halves = jax.jit(lambda w, s: mxfp4.dequantize_halves(w, s, jnp.float32, tile_words=True))
-    for got in (mxfp4.dequantize_halves(words, scale, jnp.float32, tile_words=True), halves(words, scale)):
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[1], want[1])
-    with pytest.raises(ValueError, match="whole 32-bit words"):
-        mxfp4.tile_word_values(jnp.zeros((2, 6), jnp.uint8))
+    want = np.asarray(mxfp4.dequantize(packed, scale, jnp.float32))
+    parts = jax.jit(lambda w, s: mxfp4.dequantize_tile_words(w, s, jnp.float32))
+    for got in (mxfp4.dequantize_tile_words(words, scale, jnp.float32), parts(words, scale)):
+        assert len(got) == 8
+        for j, part in enumerate(got):
+            np.testing.assert_array_equal(part, want[:, j::8])
+    with pytest.raises(ValueError, match="divisible by 16"):
+        mxfp4.dequantize_tile_words(words[:, :8], scale[:, :1])
