@@ -31,8 +31,9 @@ factor 2^(scale - 1), which folds in the 2^126: 17 instructions per word, and ev
 product equals the reference's. Experts in tiles store each code's bits already placed
 (mxfp4.TILE_PAIR_BITS): per pair `and` and `fma`, pairs 1 and 2 a shift before, pair 3 a shift
 and a multiply: 13 instructions per word (session 40). Exact for scale codes in EXACT_SCALES =
-[2, 128] (groups up to 12 in magnitude; random and real MXFP4 weights sit near 2^-7; k3jax.mxfp4; until session 21 the
-factor was 2^(scale - 65) with the activations times 2^64: codes 59..192, one XLA multiply). The
+[2, 128] (groups up to 12 in magnitude; random and real MXFP4 weights sit near 2^-7;
+k3jax.mxfp4; until session 21 the factor was 2^(scale - 65) with the activations times 2^64:
+codes 59..192, one XLA multiply). The
 bf16 pairs go straight into the register operand (A) of wgmma: no staging through shared
 memory. Each thread decodes the 16-byte groups its WGMMA register layout owns, which orders the
 contraction dimension differently from memory: within every 128 input columns, column
@@ -65,14 +66,15 @@ and 896 down programs are each resident at once instead of in two waves.
 
 Bytes at K3 shapes (M 3584, I 3072): 16.5 MB packed + 0.5 MB scales per expert; batch 1 reads
 16 experts (~280 MB, ~65 us at 4.3 TB/s); h, partials and z are < 1% of that. Time has followed
-the decode's instructions per word (29 -> 21 -> 17; tile words 13); the measurements of each decode, stage
-count and layout: docs/pallas.md (`moe_experts`) and BENCHMARKS.md.
+the decode's instructions per word (29 -> 21 -> 17; tile words 13); the measurements of each
+decode, stage count and layout: docs/pallas.md (`moe_experts`) and BENCHMARKS.md.
 
 MXFP4 experts stored in tiles (ExpertWeights.tiled, k3jax.mxfp4.to_tiles; the K3 default since
 session 23) are read as [E, out/64, in/128, 64, 64] codes and [E, out/64, in/128, 256] scales
 (`_operands`): a step's TMA brings 4 whole chunks (16 KB contiguous, against 64 rows of 256 B
 1.8 KB apart in row order) and `_decode_quad` reads chunk `quad` instead of column group 4 quad;
-their tile words change only the decode program and the activations' permutation (`permute_k(tiled=True)`).
+their tile words change only the decode program and the activations' permutation
+(`permute_k(tiled=True)`).
 
 bf16 experts use the same grids, dispatch, epilogues and pipelines; only the weight step
 differs: TMA brings a [64, 128] bf16 tile of each matrix straight from the stacked [E, out, in]
@@ -293,7 +295,8 @@ def _lane(vec, j: int):
 def _decoded_pairs(w_ref, s_ref, quad: int) -> list[list[list[ir.Value]]]:
     """Inside an inline_mgpu body: the thread's decoded code pairs of quad `quad` of a step,
     pairs[r][k][a] (i32 = bf16x2: pair a of word k of its 16-byte group - row order: nibbles a,
-    a + 4; tiles: columns 2a, 2a + 1 - in row 16 warp + lane // 4 + 8 r). Refs and layout as `_decode_quad`."""
+    a + 4; tiles: columns 2a, 2a + 1 - in row 16 warp + lane // 4 + 8 r). Refs and layout as
+    `_decode_quad`."""
     i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
     c = lambda v: mgpu_utils.c(v, i32)
     w_strides, s_strides = (tuple(ir.MemRefType(r.type).get_strides_and_offset()[0]) for r in (w_ref, s_ref))
