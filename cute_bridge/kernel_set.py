@@ -121,12 +121,14 @@ _HASHED = ("kernel_set.py", "codegen.py", "build.py")
 
 
 def kernel_set_hash() -> str:
-    """sha256 (16 hex digits) of the kernel sources, the glue generator and the build options."""
+    """sha256 (16 hex digits) of the kernel sources, the glue generator, the build options and the
+    MXFP4 word decode the kernels inline (k3jax.mxfp4: its factor bias and both PTX programs)."""
     import hashlib
     import pathlib
     root = pathlib.Path(__file__).parent
     files = sorted([root / f for f in _HASHED] + list((root / "kernels").glob("*.py")))
-    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}|{mxfp4.DECODE_FACTOR_BIAS}".encode())
+    decode = "|".join(mxfp4.decode_word_ptx(tiled) for tiled in (False, True))
+    h = hashlib.sha256(f"{ARCH}|{HOST_TARGET}|{CUTLASS_DSL_VERSION}|{mxfp4.DECODE_FACTOR_BIAS}|{decode}".encode())
     for f in files:
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]

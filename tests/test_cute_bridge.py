@@ -199,6 +199,15 @@ def test_stale_library_is_refused(library, monkeypatch):
         loader.load()
 
 
+def test_kernel_set_hash_covers_the_inlined_decode(monkeypatch):
+    """The kernels inline k3jax.mxfp4's decode PTX, which lives outside cute_bridge/: changing it
+    changes the kernel-set hash, so a library built before is refused, not silently stale."""
+    from k3jax import mxfp4
+    before, emit = kernel_set_hash(), mxfp4.decode_word_ptx
+    monkeypatch.setattr(mxfp4, "decode_word_ptx", lambda tiled: emit(tiled) + ("\n\t// changed" if tiled else ""))
+    assert kernel_set_hash() != before
+
+
 def test_ops_fall_back_to_the_reference_without_gpu(caplog):
     from cute_bridge import ops as cute_ops
     from pallas_kernels import registry
