@@ -16,8 +16,9 @@ or a process without a GPU, fall back to the reference with one log line per rea
                 (ops.expert_groups: each selected expert's choices in rows of at most 8, so an
                 expert with more takes several rows), in calls of at most ops.GROUPED_MAX_TOKENS
                 (until session 28: calls of 8 tokens, each reading its experts). The kernels take the
-                activations in the decode's pair order (permute_x; experts in tiles store their codes
-                in that order, mxfp4.pair_nibbles, and take them as they are: no XLA pass over z);
+                activations in the decode's pair order (permute_x; experts in tiles store tile words,
+                mxfp4.tile_words, whose pairs are consecutive columns, and take them as they are: no
+                XLA pass over z);
                 exact for scale bytes in kernels/mxfp4_moe.py's EXACT_SCALES (2..128). A block
                 owns MOE_ROWS = 64 expert rows (four MMA row tiles sharing each activation read;
                 the `_rows64` kernels) when M and I divide by 128, else 16 (`block_rows=16` forces
@@ -121,7 +122,8 @@ def permute_x(x: jax.Array) -> jax.Array:
 
 def _pair_order(x: jax.Array, experts: ops.ExpertWeights) -> jax.Array:
     """x [..., D] with its columns where the MoE kernels' decoded code pairs meet them: permute_x for
-    experts in row order; experts in tiles hold their codes paired (mxfp4.pair_nibbles): x as it is."""
+    experts in row order; experts in tiles hold tile words (mxfp4.tile_words: pair a = columns 2a,
+    2a + 1): x as it is."""
     return x if experts.tiled else permute_x(x)
 
 

@@ -137,25 +137,6 @@ def _tile_order(a: jax.Array, per_tile_row: int, inverse: bool) -> jax.Array:
     return (a.reshape(tiles_first if inverse else rows_first).transpose(perm)).reshape(a.shape)
 
 
-def pair_nibbles(packed, *, inverse: bool = False):
-    """weight_packed [..., in/2] (in % 8 == 0) -> the same bytes with each 32-bit word's 8 codes in
-    pair order: columns 0, 2, 4, 6 in nibbles 0-3 and 1, 3, 5, 7 in nibbles 4-7, so nibbles a and
-    a + 4 (the kernels' bf16 pair) are columns 2a, 2a + 1. inverse: back to column order. numpy or
-    jax arrays (the type is kept)."""
-    xp = np if isinstance(packed, np.ndarray) else jnp
-    *lead, half = packed.shape
-    if half % 4:
-        raise ValueError(f"pair_nibbles needs whole 32-bit words of codes, got {half} bytes per row")
-    b = packed.reshape(*lead, half // 4, 2, 2)
-    if inverse:     # [..., half h, byte p]: h = 0 the even columns, 1 the odd -> bytes 2p, 2p + 1
-        even, odd = b[..., 0, :], b[..., 1, :]
-        out = xp.stack([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
-    else:           # [..., byte pair p, byte i]: pair p's low nibbles -> the even half, high -> odd
-        first, second = b[..., 0], b[..., 1]
-        out = xp.stack([(first & 0x0F) | (second << 4), (first >> 4) | (second & 0xF0)], axis=-2)
-    return out.reshape(packed.shape)
-
-
 def tile_view(a, *, scales: bool = False):
     """A tile-ordered weight_packed [..., out, in/2] (scales: weight_scale [..., out, in/32]) as the
     tiles it holds, [..., out/64, in/128, 64 rows, 64 code bytes (scales: 4)]: a reshape, no copy."""
@@ -170,43 +151,32 @@ def _bit_moves(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[int, i
     return tuple((sum(1 << s for s, d in zip(src, dst) if d - s == sh), sh) for sh in shifts)
 
 
+# A tile word's bits against the same word in row order (column c's code bit b at 4c + b), in the
+# order (half h, pair a, code bit b): the one permutation `tile_words` applies.
 _ROW_ORDER_BITS = tuple(4 * (2 * a + h) + b for h in (0, 1) for a in range(4) for b in range(4))
-_PAIR_ORDER_BITS = tuple(4 * (a + 4 * h) + b for h in (0, 1) for a in range(4) for b in range(4))
 _TILE_WORD_BITS = tuple(TILE_PAIR_BITS[a][b] + 16 * h for h in (0, 1) for a in range(4) for b in range(4))
-_PLACE_MOVES = _bit_moves(_PAIR_ORDER_BITS, _TILE_WORD_BITS)        # 8 (mask, shift) moves a word
-_UNPLACE_MOVES = _bit_moves(_TILE_WORD_BITS, _PAIR_ORDER_BITS)
+
+
+def _permutation(inverse: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(source bits, destination bits) of `tile_words` (inverse: back to row order)."""
+    return (_TILE_WORD_BITS, _ROW_ORDER_BITS) if inverse else (_ROW_ORDER_BITS, _TILE_WORD_BITS)
 
 
 @functools.cache
 def _half_word_tables(inverse: bool) -> np.ndarray:
-    """uint32 [2, 65536]: `tile_words`' permutation of a 32-bit word (row order -> tile word;
-    inverse: back) as the or of one lookup per 16-bit half."""
-    src, dst = (_TILE_WORD_BITS, _ROW_ORDER_BITS) if inverse else (_ROW_ORDER_BITS, _TILE_WORD_BITS)
+    """uint32 [2, 65536]: the permutation of a 32-bit word as the or of one lookup per 16-bit half."""
     values, tables = np.arange(1 << 16, dtype=np.uint32), np.zeros((2, 1 << 16), np.uint32)
-    for s, d in zip(src, dst):
+    for s, d in zip(*_permutation(inverse)):
         tables[s // 16] |= ((values >> (s % 16)) & 1) << d
     return tables
 
 
-def _place_pair_bits(packed: jax.Array, *, inverse: bool = False) -> jax.Array:
-    """Codes in pair order (`pair_nibbles`), uint8 [..., n] (n % 4 == 0) -> the same bytes with
-    each little-endian 32-bit word's bits moved to TILE_PAIR_BITS (inverse: back): a few
-    elementwise integer ops, which XLA fuses."""
-    *lead, n = packed.shape
-    words = jax.lax.bitcast_convert_type(packed.reshape(*lead, n // 4, 4), jnp.uint32)
-    out = jnp.zeros_like(words)
-    for mask, shift in _UNPLACE_MOVES if inverse else _PLACE_MOVES:
-        moved = words & np.uint32(mask)
-        out = out | (moved << np.uint32(shift) if shift >= 0 else moved >> np.uint32(-shift))
-    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
-
-
 def tile_words(packed, *, inverse: bool = False):
-    """weight_packed [..., in/2] in row order -> each 32-bit word in tile-word form (its columns
-    in pairs, each code's bits at TILE_PAIR_BITS): the bytes `to_tiles` stores, before it
-    reorders them; inverse: back. numpy or jax arrays (the type is kept). jax: `pair_nibbles`,
-    then bit moves (elementwise, for the device); numpy: two 16-bit table lookups a word (host
-    conversion at checkpoint load, one core: ~850 MB/s, 8x the moves', 3x `pair_nibbles` alone)."""
+    """weight_packed [..., in/2] in row order -> each little-endian 32-bit word in tile-word form
+    (its columns in pairs, each code's bits at TILE_PAIR_BITS): the bytes `to_tiles` stores, before
+    it reorders them; inverse: back. numpy or jax arrays (the type is kept). jax: the bits moved
+    in groups of one shift (elementwise, for the device); numpy: two 16-bit table lookups a word
+    (host conversion at checkpoint load, one core: ~830 MB/s, 3x session 39's pair-order image)."""
     *lead, n = packed.shape
     if n % 4:
         raise ValueError(f"tile words need whole 32-bit words of codes, got {n} bytes per row")
@@ -215,9 +185,12 @@ def tile_words(packed, *, inverse: bool = False):
         tables = _half_word_tables(inverse)
         words = (tables[0][halves[..., 0]] | tables[1][halves[..., 1]]).astype("<u4", copy=False)
         return words.view(np.uint8).reshape(packed.shape)
-    if inverse:
-        return pair_nibbles(_place_pair_bits(packed, inverse=True), inverse=True)
-    return _place_pair_bits(pair_nibbles(packed))
+    words = jax.lax.bitcast_convert_type(packed.reshape(*lead, n // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(words)
+    for mask, shift in _bit_moves(*_permutation(inverse)):
+        moved = words & np.uint32(mask)
+        out = out | (moved << np.uint32(shift) if shift >= 0 else moved >> np.uint32(-shift))
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(packed.shape)
 
 
 def dequantize_tile_words(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> tuple[jax.Array, ...]:

@@ -269,16 +269,19 @@ def test_k_splits():
 
 def _emulated_moe_kernel(name, *args, dims=None):
     """A jnp model of the MoE kernels' contract (kernels/mxfp4_moe.py): for every named slot of grid
-    row u, the expert's product on that token column's activation row, each word's code pairs
-    (nibbles a, a + 4) meeting consecutive activation columns; unnamed outputs stay NaN."""
+    row u, the expert's product on that token column's activation row, each word's code pairs (row
+    order: nibbles a, a + 4; tile words: columns 2a, 2a + 1) meeting consecutive activation
+    columns; unnamed outputs stay NaN."""
     from cute_bridge.ops import permute_x
     from k3jax import mxfp4
     x, experts, slots, *rest = args
     weights, rest = (rest[0], rest[1:]) if name.startswith("moe_down") else (None, rest)
     pairs = [(jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*w.shape[:2], -1), s) for w, s in zip(rest[::2], rest[1::2])]
-    if name.endswith("_tiles"):     # the stored codes in row order, paired as the kernels decode tile words
-        pairs = [(mxfp4.pair_nibbles(mxfp4.from_tiles(w)), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
-    mats = [permute_x(mxfp4.dequantize(w, s, jnp.float32)) for w, s in pairs]
+    tiled = name.endswith("_tiles")   # tile words pair columns 2a, 2a + 1: x comes in column order
+    if tiled:
+        pairs = [(mxfp4.from_tiles(w), mxfp4.from_tiles(s, scales=True)) for w, s in pairs]
+    mats = [mxfp4.dequantize(w, s, jnp.float32) for w, s in pairs]
+    mats = mats if tiled else [permute_x(m) for m in mats]
     s_n = dims["S"] if dims else x.shape[0]
     per_token = s_n // x.shape[0]                              # gate_up: x rows are tokens; down: slots
     named = (slots >= 0) & (experts[:, None] < mats[0].shape[0])                         # [U, T]

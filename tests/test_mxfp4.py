@@ -116,21 +116,6 @@ def test_tile_order_layout_and_round_trip():
     np.testing.assert_array_equal(mxfp4.from_tiles(np.asarray(ts), scales=True), np.asarray(scale))
 
 
-def test_pair_nibbles_pairs_consecutive_columns():
-    """pair_nibbles: nibbles a and a + 4 of every 32-bit word hold columns 2a and 2a + 1 of its 8;
-    inverse undoes it; numpy stays numpy, jax stays jax; a partial word is refused."""
-    packed, _ = mxfp4.random_packed(jax.random.key(5), (3, 16, 64))
-    paired = mxfp4.pair_nibbles(packed)
-    codes = np.asarray(mxfp4.unpack_codes(packed)).reshape(3, 16, -1, 8)
-    nibbles = np.asarray(mxfp4.unpack_codes(paired)).reshape(3, 16, -1, 8)       # nibble order per word
-    np.testing.assert_array_equal(nibbles[..., :4], codes[..., 0::2])
-    np.testing.assert_array_equal(nibbles[..., 4:], codes[..., 1::2])
-    np.testing.assert_array_equal(np.asarray(mxfp4.pair_nibbles(paired, inverse=True)), np.asarray(packed))
-    assert isinstance(mxfp4.pair_nibbles(np.asarray(packed)), np.ndarray) and isinstance(paired, jax.Array)
-    with pytest.raises(ValueError, match="whole 32-bit words"):
-        mxfp4.pair_nibbles(np.zeros((4, 6), np.uint8))
-
-
 def test_tile_words_place_each_code_bit_where_the_decode_reads_it():
     """tile_words: bit b of column 2a + h's code lands at TILE_PAIR_BITS[a][b] + 16 h of its word
     (all 32 bits used once); inverse undoes it; numpy and jax agree; a partial word is refused."""
