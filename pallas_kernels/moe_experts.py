@@ -187,13 +187,13 @@ MMA_SYNC_MAX_TOKENS = 8
 # (H100 at the SM base clock, ncu, session 37, gate/up us: wgmma 81.1, mma.sync 512 columns one
 # stage 93.5 (5 per SM: 1.16 waves) / padded to 3 per SM 80.2, 256 columns one stage 75.8,
 # CuTe 75.9). Prefetching the next step at the same residency does not pay (H100 at boost, session
-# 41, op us b1 / b8: shipped 109.3 / 703.7, gate/up 128 x 2 stages 111.1 / 706.8, 128 x 3 113.6 /
-# 708.1; down 128 x 2 108.6 / 710.4, 128 x 3 109.9 / 721.6).
+# 41, op us b1 / b8: shipped 109.3 / 703.7, 128 columns x 2 stages 111.1 / 706.8, x 3 113.6 / 708.1).
 GATE_UP_SYNC_COLS, GATE_UP_SYNC_STAGES = 256, 1
 # The mma.sync down kernel's step and stages: as gate/up's, 256 columns in one stage (13 KB), so
 # batch 1's 896 programs are resident at once (512 x 2 stages: 4 per SM, 1.7 waves). H100 at
 # boost, session 38, down us 512 x 2 -> 256 x 1: b1 39.1 -> 37.7, b8 266.3 -> 241.6, b32 (grouped
-# slots) 774.7 -> 754.6, b128 1196.8 -> 1113.3.
+# slots) 774.7 -> 754.6, b128 1196.8 -> 1113.3. Session 41, op us b1 / b8, shipped 109.3 / 703.7:
+# 128 columns x 2 stages 108.6 / 710.4, x 3 109.9 / 721.6 (no gain).
 DOWN_SYNC_COLS, DOWN_SYNC_STAGES = 256, 1
 TILED = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
